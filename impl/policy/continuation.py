@@ -1,0 +1,71 @@
+"""Continuation guard: does a new prompt really continue the sequence whose KV a decode node holds?
+
+Upstream checks nothing (vLLM #43094, #44838): a client that rewrites history (strips reasoning,
+edits an answer) gets the old KV for the new text. The store keeps ``(held_len, held_digest)`` of the
+sequence D holds and reuses KV only if the new prompt's first ``held_len`` items hash the same.
+Items are token ids when the caller has them, else canonical message strings (see
+:func:`canonical_messages`); both go through one digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+
+class PromptView(Protocol):
+    """What the guard needs of a prompt: its length in items and the digest of any prefix."""
+
+    @property
+    def length(self) -> int: ...
+
+    def prefix_digest(self, n: int) -> str: ...
+
+
+def sequence_digest(items: Iterable[int | str]) -> str:
+    """Collision-resistant digest of a token-id or message sequence (length-prefixed, so no two differ)."""
+    h = hashlib.blake2b(digest_size=16)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise TypeError(f"sequence items must be int token ids or str, got {type(item).__name__}")
+        data = item.encode("utf-8") if isinstance(item, str) else str(item).encode("ascii")
+        h.update(b"s" if isinstance(item, str) else b"i")
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ItemsPrompt:
+    """A prompt given as its items (token ids or canonical messages)."""
+
+    items: Sequence[int | str]
+
+    @property
+    def length(self) -> int:
+        return len(self.items)
+
+    def prefix_digest(self, n: int) -> str:
+        if n > len(self.items):
+            raise ValueError(f"prefix of {n} items requested from a prompt of {len(self.items)}")
+        return sequence_digest(self.items[:n])
+
+
+def canonical_messages(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One canonical string per chat message (role + content, keys sorted), for the digest.
+
+    Content parts are kept as JSON so a list of parts and the equivalent string do not collide.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+        out.append(json.dumps({k: message[k] for k in sorted(message)}, sort_keys=True, ensure_ascii=False, separators=(",", ":")))
+    return out
+
+
+def continues(prompt: PromptView, held_len: int, held_digest: str) -> bool:
+    """True iff ``prompt`` starts with exactly the ``held_len`` items digested as ``held_digest``."""
+    return held_len <= prompt.length and prompt.prefix_digest(held_len) == held_digest

