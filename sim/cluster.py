@@ -1,0 +1,136 @@
+"""Wire a cluster (XpYd) from a config and a profile, drive it with conversations, collect results.
+
+This is the only module that builds things; the event loop is simpy's. Clients are closed loop per
+conversation: a turn is released a think/tool gap after the previous one completed (or at its trace
+arrival time, if later), and under a heartbeat lease the client heartbeats through the gap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Sequence
+
+import simpy
+
+from calibration.profile import LatencyProfile
+from impl.policy import ConversationStore, HeartbeatLease
+from sim.config import SimConfig
+from sim.decode import DecodeNode
+from sim.interconnect import Interconnect
+from sim.prefill import PrefillNode
+from sim.records import TurnRecord, summarize
+from sim.rng import stream
+from sim.router import Router
+from sim.workload.model import Conversation
+
+
+@dataclass
+class SimResult:
+    records: list[TurnRecord]
+    summary: dict
+    series: list[tuple[float, str, int, int, int, int]] = field(default_factory=list)  # t, node, running, retained, cached, capacity
+    config: SimConfig | None = None
+
+
+class Cluster:
+    def __init__(self, config: SimConfig, profile: LatencyProfile) -> None:
+        self.config, self.profile = config, profile
+        topo, pol = config.topology, config.policy
+        self.env = env = simpy.Environment()
+        self.interconnect = Interconnect(env, topo.nic_line_rate_bytes_per_s * topo.nic_efficiency,
+                                         profile.transfer_bytes_per_s)
+        decode_blocks = topo.decode_kv_blocks or profile.decode_blocks()
+        cache_blocks = topo.prefill_cache_blocks or decode_blocks
+        recompute = pol.recompute(profile)
+        self.prefill = [PrefillNode(env, f"p{i}", profile, recompute, self.interconnect, topo.max_num_batched_tokens,
+                                    cache_blocks, pol.prefix_caching) for i in range(topo.num_prefill)]
+        self.decode: list[DecodeNode] = []
+        self.store = ConversationStore(pol.max_conversations, pol.expiry_margin_s)
+        self.router = Router(env, self.prefill, self.decode, self.store, pol.placement_policy(), pol.placement_policy(),
+                             stream(config.seed, "placement"), pol.bidirectional, pol.prefix_caching)
+        for i in range(topo.num_decode):
+            self.decode.append(DecodeNode(env, f"d{i}", profile, decode_blocks, topo.max_num_seqs, pol.retention_policy(),
+                                          pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
+                                          self.interconnect, self.router.on_decode_finish))
+        self.router._decode_by_name.update({d.name: d for d in self.decode})
+        self.records: list[TurnRecord] = []
+        self.series: list[tuple[float, str, int, int, int, int]] = []
+        self._live_clients = 0
+
+    def _client(self, conv: Conversation) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        key = (conv.tenant, conv.conversation_id)
+        lease = self.router.decode[0].retention if self.config.policy.retention == "lease" else None
+        if conv.start_s > env.now:
+            yield env.timeout(conv.start_s - env.now)
+        for index, turn in enumerate(conv.turns):
+            if index:
+                release = env.now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, env.now)
+                yield from self._wait(key, release, lease)
+            rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
+            self.records.append(rec)
+            yield env.process(self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens))
+        self._live_clients -= 1
+
+    def _wait(self, key: tuple[str, str], release: float, lease: HeartbeatLease | None) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        if lease is None:
+            if release > env.now:
+                yield env.timeout(release - env.now)
+            return
+        # the session is live until the next turn: the client heartbeats through the gap
+        while env.now + lease.heartbeat_interval_s < release:
+            yield env.timeout(lease.heartbeat_interval_s)
+            self.router.heartbeat(key)
+        if release > env.now:
+            yield env.timeout(release - env.now)
+
+    def _sampler(self, interval: float) -> Generator[simpy.Event, Any, None]:
+        while self._live_clients > 0:
+            for d in self.decode:
+                d._advance_retention(self.env.now)
+                self.series.append((self.env.now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
+            yield self.env.timeout(interval)
+
+    def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None) -> SimResult:
+        env = self.env
+        self._live_clients = len(conversations)
+        for conv in conversations:
+            env.process(self._client(conv))
+        env.process(self._sampler(self.config.series_interval_s))
+        until = self.config.max_sim_time_s
+        if progress is None:
+            env.run(until=None if math.isinf(until) else until)
+        else:
+            step = 60.0
+            while env.peek() != math.inf and env.now < until:
+                env.run(until=min(env.now + step, until))
+                progress(env.now)
+        end = env.now
+        for d in self.decode:
+            d._advance_retention(end)
+        self._reject_unfinished(conversations)
+        bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
+        summary = summarize(self.records, bytes_per_block, {d.name: d.totals for d in self.decode}, end)
+        summary["bytes_moved"] = self.interconnect.bytes_moved
+        summary["transfers"] = self.interconnect.transfers
+        return SimResult(self.records, summary, self.series, self.config)
+
+    def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
+        seen = {(r.conversation, r.turn) for r in self.records}
+        for rec in self.records:
+            if math.isnan(rec.completion_s):
+                rec.rejected = "unfinished at max_sim_time_s"
+        for conv in conversations:
+            for index, turn in enumerate(conv.turns):
+                if (conv.conversation_id, index) not in seen:
+                    rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
+                    rec.rejected = "not released by max_sim_time_s"
+                    self.records.append(rec)
+
+
+def simulate(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile | None = None,
+             progress: Callable[[float], None] | None = None) -> SimResult:
+    profile = profile or LatencyProfile.load(config.profile)
+    return Cluster(config, profile).run(conversations, progress)

@@ -1,0 +1,180 @@
+"""Simulation configuration: dataclasses with the one source of defaults, loaded from TOML and flags.
+
+Each field's ``metadata["help"]`` is the CLI help text; :mod:`sim.cli` turns the fields into flags,
+so nobody writes a default twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from impl.policy import (
+    BreakEvenThreshold,
+    FixedThreshold,
+    FixedTTL,
+    GapQuantileTTL,
+    HeartbeatLease,
+    KVAwareCost,
+    LeastLoaded,
+    RoundRobin,
+)
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(slots=True)
+class TopologyConfig:
+    num_prefill: int = _f(1, "prefill instances (X in XpYd)")
+    num_decode: int = _f(1, "decode instances (Y in XpYd)")
+    nic_line_rate_bytes_per_s: float = _f(400e9, "per-node NIC line rate (p5en: 8 x 400 Gbps EFA = 400 GB/s)")
+    nic_efficiency: float = _f(0.9, "fraction of line rate concurrent transfers can share")
+    decode_kv_blocks: int = _f(0, "KV blocks per decode instance; 0 = from the profile's HBM budget")
+    prefill_cache_blocks: int = _f(0, "prefix-cache blocks per prefill instance; 0 = same as a decode instance")
+    max_num_batched_tokens: int = _f(8192, "prefill token budget per step (vLLM chunked prefill)")
+    max_num_seqs: int = _f(256, "running sequences per decode instance")
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    bidirectional: bool = _f(True, "bidirectional KV transfer (D keeps blocks, P pulls them next turn)")
+    prefix_caching: bool = _f(False, "prefix caching on P (the published benchmark ran with it OFF)")
+    decode_prefix_caching: bool = _f(True, "prefix caching on D (vLLM's default): finished blocks stay evictable")
+    kv_recompute_threshold: int = _f(64, "tokens: pull iff reusable >= this (0 disables the check)")
+    recompute_policy: str = _f("fixed", "pull-vs-recompute policy", choices=("fixed", "break_even"))
+    apply_threshold_p_to_d: bool = _f(False, "also apply the threshold on the P->D path (vLLM #55801)")
+    retention: str = _f("ttl", "decode-side retention policy", choices=("ttl", "lease", "gap_quantile"))
+    decoder_kv_blocks_ttl: float = _f(480.0, "seconds D keeps a finished turn's blocks (ttl policy; inf allowed)")
+    lease_s: float = _f(30.0, "lease length in seconds (lease policy)")
+    heartbeat_interval_s: float = _f(10.0, "client heartbeat interval in seconds (lease policy)")
+    lease_max_hold_s: float = _f(3600.0, "cap on how long heartbeats can pin blocks (lease policy)")
+    gap_quantile: float = _f(0.9, "quantile of observed inter-turn gaps used as TTL (gap_quantile policy)")
+    gap_ttl_cap_s: float = _f(900.0, "upper bound on the learnt TTL (gap_quantile policy)")
+    expiry_margin_s: float = _f(5.0, "P declines reads this close to expiry (vLLM: 5 s)")
+    placement: str = _f("round_robin", "instance placement", choices=("round_robin", "least_loaded", "kv_aware"))
+    max_conversations: int = _f(1_000_000, "router conversation-store bound (LRU)")
+
+    def recompute(self, cost_model: Any) -> Any:
+        if self.recompute_policy == "break_even":
+            return BreakEvenThreshold(cost_model)
+        return FixedThreshold(self.kv_recompute_threshold)
+
+    def retention_policy(self) -> Any:
+        if self.retention == "lease":
+            return HeartbeatLease(self.lease_s, self.heartbeat_interval_s, self.lease_max_hold_s)
+        if self.retention == "gap_quantile":
+            return GapQuantileTTL(quantile=self.gap_quantile, cap_s=self.gap_ttl_cap_s, initial_s=self.decoder_kv_blocks_ttl
+                                  if math.isfinite(self.decoder_kv_blocks_ttl) else self.gap_ttl_cap_s)
+        return FixedTTL(self.decoder_kv_blocks_ttl)
+
+    def placement_policy(self) -> Any:
+        return {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAwareCost}[self.placement]()
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int = _f(0, "seed; each subsystem derives its own stream from it")
+    profile: str = _f("qwen3-32b@p5en-tp8", "latency profile: shipped name or JSON path")
+    workload: dict = _f({"kind": "synthetic"}, "workload spec (TOML table [workload]; see sim.workload)")
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    max_sim_time_s: float = _f(math.inf, "stop the clock here (turns not finished are reported rejected)")
+    series_interval_s: float = _f(10.0, "sampling interval of per-node series")
+
+    def validate(self) -> "SimConfig":
+        t, p = self.topology, self.policy
+        checks = [
+            (t.num_prefill >= 1, "topology.num_prefill", "must be >= 1"),
+            (t.num_decode >= 1, "topology.num_decode", "must be >= 1"),
+            (t.nic_line_rate_bytes_per_s > 0, "topology.nic_line_rate_bytes_per_s", "must be > 0"),
+            (0 < t.nic_efficiency <= 1, "topology.nic_efficiency", "must be in (0, 1]"),
+            (t.decode_kv_blocks >= 0, "topology.decode_kv_blocks", "must be >= 0"),
+            (t.prefill_cache_blocks >= 0, "topology.prefill_cache_blocks", "must be >= 0"),
+            (t.max_num_batched_tokens >= 1, "topology.max_num_batched_tokens", "must be >= 1"),
+            (t.max_num_seqs >= 1, "topology.max_num_seqs", "must be >= 1"),
+            (p.kv_recompute_threshold >= 0, "policy.kv_recompute_threshold", "must be >= 0"),
+            (p.decoder_kv_blocks_ttl >= 0, "policy.decoder_kv_blocks_ttl", "must be >= 0 (inf allowed)"),
+            (p.expiry_margin_s >= 0 and math.isfinite(p.expiry_margin_s), "policy.expiry_margin_s", "must be finite and >= 0"),
+            (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
+            (self.series_interval_s > 0, "series_interval_s", "must be > 0"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"config field {name} {why}")
+        for name, value in (("policy.recompute_policy", p.recompute_policy), ("policy.retention", p.retention),
+                            ("policy.placement", p.placement)):
+            choices = _field(type(p), name.split(".")[1]).metadata["choices"]
+            if value not in choices:
+                raise ValueError(f"config field {name} must be one of {choices}, got {value!r}")
+        p.retention_policy()  # the policy's own checks name its fields
+        return self
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(cls)}[name]
+
+
+def _apply(obj: Any, data: dict, where: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        if key not in fields:
+            raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: {key} must be a table")
+            _apply(current, value, f"{where}.{key}")
+            continue
+        setattr(obj, key, _coerce(value, type(current), f"{where}.{key}"))
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    if kind in (int, float):
+        if isinstance(value, str) and value.lower() in ("inf", "infinity"):
+            value = math.inf
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        if math.isnan(value):
+            raise ValueError(f"{where} must not be NaN")
+        if kind is int:
+            if value != int(value) if math.isfinite(value) else True:
+                raise ValueError(f"{where} must be an integer, got {value!r}")
+            return int(value)
+        return float(value)
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    if kind is dict and not isinstance(value, dict):
+        raise ValueError(f"{where} must be a table, got {value!r}")
+    return value
+
+
+def load_config(path: str | None = None, overrides: dict | None = None) -> SimConfig:
+    """Defaults, then the TOML file, then ``overrides`` (a nested dict, e.g. from CLI flags)."""
+    config = SimConfig()
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ValueError(f"config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config {path}: invalid TOML: {exc}") from None
+        _apply(config, data, path)
+    if overrides:
+        _apply(config, overrides, "flags")
+    return config.validate()
+
+
+def config_to_dict(config: SimConfig) -> dict:
+    return dataclasses.asdict(config)

@@ -1,0 +1,383 @@
+"""A decode node: block pool, D->P reads of retained blocks, continuous batching, retention.
+
+Blocks on D are in one of five states, and their sum never exceeds the pool:
+
+* running  -- held by sequences being decoded (grow by one block every ``block_size`` tokens)
+* arriving -- allocated for a turn whose KV is being pulled from P (P->D)
+* retained -- a finished turn's prompt + output, pinned for the next turn per impl.policy retention
+* reading  -- retained blocks P is reading right now (pinned until the read ends)
+* cached   -- unpinned but still hash-cached (vLLM prefix caching on D): reusable, evicted LRU first
+
+Decode advances one segment at a time: between events the batch is fixed, so k steps cost
+``k * step(B, C) + slope * k (k - 1) / 2`` in closed form (context grows by B tokens a step), and no
+per-token event exists. Joining sequences wait for the next step boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import TYPE_CHECKING, Any, Callable, Generator
+
+import simpy
+
+from impl.policy import RetainedPool
+from sim.interconnect import Interconnect
+from sim.records import NodeTotals, TurnRecord
+
+if TYPE_CHECKING:
+    from calibration.profile import LatencyProfile
+
+
+class _Seq:
+    __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "done", "joined_at")
+
+    def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
+                 done: simpy.Event) -> None:
+        self.rec, self.key, self.revision = rec, key, revision
+        self.context, self.remaining, self.blocks, self.done = context, remaining, blocks, done
+        self.joined_at = -1.0
+
+
+class DecodeNode:
+    def __init__(self, env: simpy.Environment, name: str, profile: "LatencyProfile", capacity_blocks: int,
+                 max_num_seqs: int, retention: Any, bidirectional: bool, prefix_caching: bool,
+                 expiry_margin_s: float, interconnect: Interconnect,
+                 on_finish: Callable[["DecodeNode", _Seq, float | None], None]) -> None:
+        self.env, self.name, self.profile = env, name, profile
+        self.capacity = capacity_blocks
+        self.max_num_seqs = max_num_seqs
+        self.retention = retention
+        self.bidirectional = bidirectional
+        self.prefix_caching = prefix_caching
+        self.margin = expiry_margin_s
+        self.interconnect = interconnect
+        self.on_finish = on_finish
+        self.totals = NodeTotals()
+        bs = profile.block_size
+        self._blocks_for = lambda tokens: -(-tokens // bs)
+        # block states
+        self.running: list[_Seq] = []
+        self.running_blocks = 0
+        self.arriving_blocks = 0
+        self.retained = RetainedPool()
+        self._retained_meta: dict[Any, tuple[int, int, float]] = {}  # key -> (tokens, revision, finished_at)
+        self._reading: dict[Any, tuple[int, int, int]] = {}  # key -> (tokens, revision, blocks)
+        self.reading_blocks = 0
+        self._cache: collections.OrderedDict[Any, tuple[int, int, int]] = collections.OrderedDict()
+        self.cached_blocks = 0
+        self._fate: dict[Any, str] = {}  # why a key is no longer retained (for the miss reason P reports)
+        # queues
+        self._joining: collections.deque[_Seq] = collections.deque()
+        self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
+        self._wake: simpy.Event | None = None
+        self._retained_clock = 0.0
+        env.process(self._decode_loop())
+
+    # -- accounting -----------------------------------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        return (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                + self.cached_blocks)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity - self.used_blocks
+
+    def _integrate_retained(self, until: float) -> None:
+        if until > self._retained_clock:
+            self.totals.retained_block_seconds += self.retained.blocks * (until - self._retained_clock)
+            self._retained_clock = until
+
+    def _advance_retention(self, now: float) -> None:
+        """Expire retained entries in expiry order, integrating retained blocks exactly."""
+        while True:
+            nxt = self.retained.next_expiry()
+            if nxt is None or nxt > now:
+                break
+            self._integrate_retained(nxt)
+            for key, blocks in self.retained.pop_expired(nxt):
+                tokens, revision, _ = self._retained_meta.pop(key)
+                self._fate[key] = "expired"
+                self._to_cache(key, tokens, revision, blocks)
+        self._integrate_retained(now)
+
+    def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int) -> None:
+        if not self.prefix_caching:
+            return
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self.cached_blocks -= old[2]
+        self._cache[key] = (tokens, revision, blocks)
+        self.cached_blocks += blocks
+
+    def _check(self) -> None:
+        used = self.used_blocks
+        if used > self.capacity or min(self.running_blocks, self.arriving_blocks, self.reading_blocks, self.cached_blocks) < 0:
+            raise RuntimeError(f"{self.name}: block accounting broken (used {used} of {self.capacity})")
+        self.totals.peak_used_blocks = max(self.totals.peak_used_blocks, used)
+
+    def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
+        self._integrate_retained(now)
+        self.retained.add(key, blocks, expires_at)
+        self._retained_meta[key] = (tokens, revision, now)
+        self._fate.pop(key, None)
+        self.totals.peak_retained_blocks = max(self.totals.peak_retained_blocks, self.retained.blocks)
+
+    def _make_room(self, needed: int, now: float) -> bool:
+        """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
+        while self.free_blocks < needed and self._cache:
+            _, (_, _, blocks) = self._cache.popitem(last=False)
+            self.cached_blocks -= blocks
+        if self.free_blocks >= needed:
+            return True
+        choice = self.retained.choose_victims(needed, self.free_blocks)
+        if not choice.sufficient:
+            return False
+        self._integrate_retained(now)
+        for key in choice.victims:
+            self.retained.discard(key)
+            self._retained_meta.pop(key)
+            self._fate[key] = "dropped_under_pressure"
+            self.totals.dropped_under_pressure += 1
+        return True
+
+    def _released(self) -> None:
+        """Blocks came free: admit turns waiting for blocks, in arrival order."""
+        while self._waiting_blocks:
+            needed, event = self._waiting_blocks[0]
+            if not self._make_room(needed, self.env.now):
+                return
+            self._waiting_blocks.popleft()
+            self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
+            event.succeed()
+
+    # -- D->P reads of retained blocks -------------------------------------------------------------
+    def holds(self, key: Any) -> int:
+        meta = self._retained_meta.get(key)
+        return meta[0] if meta else 0
+
+    def begin_read(self, key: Any, revision: int, now: float) -> str:
+        """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined."""
+        self._advance_retention(now)
+        meta = self._retained_meta.get(key)
+        if meta is None:
+            return self._fate.get(key, "unknown")
+        expires_at = self.retained.expiry(key)
+        if now >= expires_at - self.margin:  # vLLM's P declines reads this close to expiry
+            return "expired"
+        if meta[1] != revision:
+            return "guard"
+        blocks = self.retained.discard(key)
+        del self._retained_meta[key]
+        self._reading[key] = (meta[0], meta[1], blocks)
+        self.reading_blocks += blocks
+        return ""
+
+    def end_read(self, key: Any, now: float) -> None:
+        """P notified D that its read finished: the blocks are unpinned (still hash-cached)."""
+        tokens, revision, blocks = self._reading.pop(key)
+        self.reading_blocks -= blocks
+        self._fate[key] = "read"
+        self._to_cache(key, tokens, revision, blocks)
+        self._released()
+
+    def renew(self, key: Any, now: float) -> float | None:
+        """A client heartbeat reached D: extend the retention if the policy says so."""
+        self._advance_retention(now)
+        meta = self._retained_meta.get(key)
+        if meta is None:
+            return None
+        current = self.retained.expiry(key)
+        renewed = self.retention.renew(current, meta[2], now)
+        if renewed != current:
+            self._integrate_retained(now)
+            self.retained.add(key, self.retained.discard(key), renewed)
+        return renewed
+
+    # -- one turn on D ---------------------------------------------------------------------------
+    def serve(self, rec: TurnRecord, key: Any, revision: int, p_name: str) -> Generator[simpy.Event, Any, None]:
+        """simpy process body: take the prompt's KV (local hit + pull from P), decode, finish."""
+        env, profile = self.env, self.profile
+        n = rec.prompt_tokens
+        self._advance_retention(env.now)
+        hit_tokens, hit_blocks = self._take_local(key, revision, n)
+        rec.d_local_hit_tokens = hit_tokens
+        self.arriving_blocks += hit_blocks
+        needed = self._blocks_for(n) - hit_blocks
+        arrived_at = env.now
+        if self._make_room(needed, env.now) and not self._waiting_blocks:
+            self.arriving_blocks += needed
+        else:
+            ready = env.event()
+            self._waiting_blocks.append((needed, ready))
+            yield ready
+        rec.d_queue_s = env.now - arrived_at
+        self._check()
+        rec.p2d_tokens = n - hit_tokens
+        if rec.p2d_tokens > 0:
+            fixed = profile.transfer_fixed_s(profile.blocks_for(rec.p2d_tokens))
+            rec.p2d_transfer_s = yield env.process(
+                self.interconnect.transfer(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed))
+        done = env.event()
+        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, done)
+        self._joining.append(seq)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+        yield done
+
+    def _take_local(self, key: Any, revision: int, prompt_tokens: int) -> tuple[int, int]:
+        """Reuse this conversation's blocks still on D (retained or cached) if they prefix the prompt."""
+        tokens = blocks = 0
+        meta = self._retained_meta.get(key)
+        if meta is not None and meta[1] == revision:
+            self._integrate_retained(self.env.now)
+            blocks = self.retained.discard(key)
+            tokens = meta[0]
+            del self._retained_meta[key]
+            self._fate[key] = "taken"
+        else:
+            cached = self._cache.get(key)
+            if cached is not None and cached[1] == revision:
+                del self._cache[key]
+                tokens, _, blocks = cached
+                self.cached_blocks -= blocks
+        if not blocks:
+            return 0, 0
+        # vLLM reuses whole blocks and computes at least the last prompt token
+        usable = min(tokens, prompt_tokens - 1) // self.profile.block_size * self.profile.block_size
+        # blocks beyond the usable prefix are simply not kept: they return to the free pool
+        return usable, min(self._blocks_for(usable), blocks)
+
+    # -- the engine loop -------------------------------------------------------------------------
+    def _decode_loop(self) -> Generator[simpy.Event, Any, None]:
+        env, profile = self.env, self.profile
+        bs = profile.block_size
+        while True:
+            if not self.running and not self._joining:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+            now = env.now
+            while self._joining and len(self.running) < self.max_num_seqs:
+                seq = self._joining.popleft()
+                self.arriving_blocks -= seq.blocks
+                self.running_blocks += seq.blocks
+                seq.joined_at = now
+                rec = seq.rec
+                rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
+                self.running.append(seq)
+            self._finish_done(now)
+            if not self.running:
+                continue
+            batch = len(self.running)
+            context = sum(s.context for s in self.running)
+            k = min(s.remaining for s in self.running)
+            k = self._steps_that_fit(k, now)
+            if k == 0:
+                self._preempt_newest(now)
+                continue
+            for s in self.running:  # reserve the segment's growth now, so admissions cannot take it
+                reserved = -(-(s.context + k) // bs)
+                self.running_blocks += reserved - s.blocks
+                s.blocks = reserved
+            self._check()
+            step0 = profile.decode_step_s(batch, context)
+            slope = profile.decode_step_s(batch, context + batch) - step0
+
+            def elapsed(j: int) -> float:
+                return j * step0 + slope * j * (j - 1) / 2
+
+            segment_s = elapsed(k)
+            self._wake = env.event()
+            timer = env.timeout(segment_s)
+            yield timer | self._wake
+            self._wake = None
+            if not timer.processed and env.now - now < segment_s:
+                # a sequence is waiting to join: run to the end of the step in progress
+                j = self._steps_within(env.now - now, step0, slope, k)
+                j = min(j + 1, k)
+                rest = elapsed(j) - (env.now - now)
+                if rest > 0:
+                    yield env.timeout(rest)
+                k = j
+            for s in self.running:
+                s.context += k
+                s.remaining -= k
+                new_blocks = -(-s.context // bs)
+                self.running_blocks += new_blocks - s.blocks
+                s.blocks = new_blocks
+            self._finish_done(env.now)
+
+    @staticmethod
+    def _steps_within(t: float, step0: float, slope: float, k: int) -> int:
+        """Whole steps completed within ``t`` seconds of the segment start."""
+        if slope <= 1e-15:
+            j = int(t // step0) if step0 > 0 else k
+        else:
+            a, b = slope / 2, step0 - slope / 2
+            j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
+        j = max(0, min(j, k))
+        while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
+            j -= 1
+        return j
+
+    def _steps_that_fit(self, k: int, now: float) -> int:
+        """Largest j <= k whose block growth fits (after freeing cache/retained blocks)."""
+        bs = self.profile.block_size
+
+        def growth(j: int) -> int:
+            return sum(-(-(s.context + j) // bs) - s.blocks for s in self.running)
+
+        if growth(k) <= self.free_blocks or self._make_room(growth(k), now):
+            return k
+        lo, hi = 0, k  # growth is monotone in j
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if growth(mid) <= self.free_blocks or self._make_room(growth(mid), now):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _preempt_newest(self, now: float) -> None:
+        """The running batch cannot grow even one step: drop the newest sequence's blocks and
+        re-queue it (vLLM recompute preemption; it re-pulls from P, which we count, not model further)."""
+        seq = self.running.pop()
+        self.running_blocks -= seq.blocks
+        seq.rec.preempted += 1
+        self.totals.preemptions += 1
+        needed = self._blocks_for(seq.context)
+        seq.blocks = needed
+        ready = self.env.event()
+        self._waiting_blocks.append((needed, ready))
+        ready.callbacks.append(lambda _e, s=seq: self._rejoin(s))
+        self._released()
+
+    def _rejoin(self, seq: _Seq) -> None:
+        self._joining.append(seq)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _finish_done(self, now: float) -> None:
+        finished = [s for s in self.running if s.remaining <= 0]
+        if not finished:
+            return
+        self.running = [s for s in self.running if s.remaining > 0]
+        self._advance_retention(now)
+        for seq in finished:
+            self.running_blocks -= seq.blocks
+            seq.rec.completion_s = now
+            expires_at = None
+            if self.bidirectional and seq.blocks:
+                expires_at = self.retention.expiry_on_finish(now)
+                if expires_at > now:
+                    self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
+                else:
+                    expires_at = None
+                    self._to_cache(seq.key, seq.context, seq.revision, seq.blocks)
+            else:
+                self._to_cache(seq.key, seq.context, seq.revision, seq.blocks)
+            self.on_finish(self, seq, expires_at)
+            seq.done.succeed()
+        self._released()

@@ -1,0 +1,86 @@
+"""The interconnect: per-node NICs shared fairly by concurrent KV transfers, both directions alike.
+
+A transfer first pays its fixed part (setup + per-descriptor work, from the profile), then moves its
+bytes as a flow. A flow's rate is the smallest of: the per-transfer rate the profile measured (one
+transfer alone is setup/overhead bound, not wire bound: see ../shared/BRIEF.md), and an equal share
+of each endpoint NIC's usable capacity (line rate x efficiency). P->D and D->P flows use the same NICs
+and contend. Rates are recomputed only when a flow starts or ends (processor sharing), so the cost
+is per transfer, not per byte.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Generator
+
+import simpy
+
+
+class _Flow:
+    __slots__ = ("src", "dst", "remaining", "rate", "done")
+
+    def __init__(self, src: str, dst: str, nbytes: float, done: simpy.Event) -> None:
+        self.src, self.dst, self.remaining, self.rate, self.done = src, dst, nbytes, 0.0, done
+
+
+class Interconnect:
+    def __init__(self, env: simpy.Environment, nic_capacity_bytes_per_s: float, per_transfer_bytes_per_s: float) -> None:
+        self.env = env
+        self.nic_capacity = nic_capacity_bytes_per_s
+        self.per_transfer_cap = per_transfer_bytes_per_s
+        self._flows: list[_Flow] = []
+        self._per_nic: collections.Counter[str] = collections.Counter()
+        self._last_update = 0.0
+        self._generation = 0
+        self.bytes_moved = 0.0
+        self.transfers = 0
+
+    def transfer(self, src: str, dst: str, nbytes: float, fixed_s: float) -> Generator[simpy.Event, None, float]:
+        """simpy process body: move ``nbytes`` from ``src`` to ``dst``; returns the elapsed seconds."""
+        start = self.env.now
+        if fixed_s > 0:
+            yield self.env.timeout(fixed_s)
+        if nbytes > 0:
+            done = self.env.event()
+            self._advance()
+            self._flows.append(_Flow(src, dst, float(nbytes), done))
+            self._per_nic[src] += 1
+            self._per_nic[dst] += 1
+            self._reschedule()
+            yield done
+        self.bytes_moved += nbytes
+        self.transfers += 1
+        return self.env.now - start
+
+    def _advance(self) -> None:
+        elapsed = self.env.now - self._last_update
+        if elapsed > 0:
+            for flow in self._flows:
+                flow.remaining -= flow.rate * elapsed
+        self._last_update = self.env.now
+
+    def _reschedule(self) -> None:
+        self._generation += 1
+        if not self._flows:
+            return
+        soonest = float("inf")
+        for flow in self._flows:
+            share = self.nic_capacity / max(self._per_nic[flow.src], self._per_nic[flow.dst])
+            flow.rate = min(self.per_transfer_cap, share)
+            soonest = min(soonest, max(flow.remaining, 0.0) / flow.rate)
+        generation = self._generation
+        timer = self.env.timeout(soonest)
+        timer.callbacks.append(lambda _event: self._on_timer(generation))
+
+    def _on_timer(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # a flow started or ended since this timer was set
+        self._advance()
+        # a flow is done when what is left would take under a nanosecond (float residue)
+        finished = [f for f in self._flows if f.remaining <= f.rate * 1e-9]
+        for flow in finished:
+            self._flows.remove(flow)
+            self._per_nic[flow.src] -= 1
+            self._per_nic[flow.dst] -= 1
+            flow.done.succeed()
+        self._reschedule()

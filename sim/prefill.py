@@ -1,0 +1,178 @@
+"""A prefill node: optional prefix cache, the pull-vs-recompute decision, the D->P pull, chunked prefill.
+
+A turn's life on P (vLLM's NixlConnector with ``bidirectional_kv_xfer``): the local prefix-cache hit
+is applied first; if the router sent D's params, impl.policy decides pull or recompute; a pull waits
+asynchronously (other requests keep computing) and is declined, falling back to recompute
+(``kv_load_failure_policy: "recompute"``), when D no longer holds the blocks or they are within the
+expiry margin; then the remaining suffix joins the batch loop, which forms steps under the token
+budget (chunked prefill) and charges each step from the profile.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, Generator
+
+import simpy
+
+from impl.policy import PullCandidate, TransferPath
+from sim.interconnect import Interconnect
+
+if TYPE_CHECKING:
+    from calibration.profile import LatencyProfile
+    from sim.decode import DecodeNode
+    from sim.records import TurnRecord
+
+SHARED_PREFIX_KEY = ("", "__shared_prefix__")
+
+
+class PrefixCache:
+    """LRU prefix cache at conversation granularity: each entry is the leading tokens of one
+    conversation at one history revision (plus one entry for the prefix all conversations share).
+
+    Coarser than vLLM's per-block LRU (a conversation's blocks leave together), which keeps the cost
+    per turn O(1); reported hits are block-aligned like vLLM's.
+    """
+
+    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self._entries: collections.OrderedDict[Any, tuple[int, int]] = collections.OrderedDict()
+        self.used_blocks = 0
+
+    def hit_tokens(self, key: Any, revision: int, prompt_tokens: int, shared_prefix_tokens: int) -> int:
+        best = 0
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] == revision:
+            best = min(entry[0], prompt_tokens)
+            self._entries.move_to_end(key)
+        shared = self._entries.get(SHARED_PREFIX_KEY)
+        if shared is not None and shared_prefix_tokens:
+            best = max(best, min(shared[0], shared_prefix_tokens, prompt_tokens))
+            self._entries.move_to_end(SHARED_PREFIX_KEY)
+        # vLLM always computes at least the last prompt token, and reuses whole blocks only
+        best = min(best, prompt_tokens - 1)
+        return max(best, 0) // self.block_size * self.block_size
+
+    def insert(self, key: Any, revision: int, tokens: int, shared_prefix_tokens: int) -> None:
+        self._put(key, tokens, revision)
+        if shared_prefix_tokens:
+            self._put(SHARED_PREFIX_KEY, shared_prefix_tokens, 0)
+
+    def _put(self, key: Any, tokens: int, revision: int) -> None:
+        blocks = -(-tokens // self.block_size)
+        if blocks > self.capacity_blocks:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.used_blocks -= -(-old[0] // self.block_size)
+        while self.used_blocks + blocks > self.capacity_blocks:
+            _, (old_tokens, _) = self._entries.popitem(last=False)
+            self.used_blocks -= -(-old_tokens // self.block_size)
+        self._entries[key] = (tokens, revision)
+        self.used_blocks += blocks
+
+
+class _Job:
+    __slots__ = ("remaining", "context", "done", "enqueued_at", "started_at")
+
+    def __init__(self, remaining: int, context: int, done: simpy.Event, now: float) -> None:
+        self.remaining, self.context, self.done = remaining, context, done
+        self.enqueued_at, self.started_at = now, -1.0
+
+
+class PrefillNode:
+    def __init__(self, env: simpy.Environment, name: str, profile: "LatencyProfile", recompute_policy: Any,
+                 interconnect: Interconnect, max_num_batched_tokens: int, cache_blocks: int, prefix_caching: bool) -> None:
+        self.env, self.name, self.profile = env, name, profile
+        self.recompute_policy = recompute_policy
+        self.interconnect = interconnect
+        self.budget = max_num_batched_tokens
+        self.cache = PrefixCache(cache_blocks, profile.block_size) if prefix_caching else None
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._wake: simpy.Event | None = None
+        self.queued_tokens = 0
+        self.busy_s = 0.0
+        env.process(self._batch_loop())
+
+    # -- one turn -----------------------------------------------------------------------------
+    def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
+              remote: "tuple[DecodeNode, int] | None") -> Generator[simpy.Event, Any, None]:
+        """simpy process body: prefill ``rec``'s prompt, pulling from ``remote`` = (D, tokens held) if worth it."""
+        profile = self.profile
+        n = rec.prompt_tokens
+        local_hit = self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens) if self.cache else 0
+        rec.p_local_hit_tokens = local_hit
+        reused = 0
+        if remote is not None:
+            d_node, remote_tokens = remote
+            decision = self.recompute_policy.decide(PullCandidate(n, remote_tokens, local_hit, profile.block_size,
+                                                                  TransferPath.DECODE_TO_PREFILL))
+            rec.decision_reason = decision.reason.value
+            if decision.pull:
+                refusal = d_node.begin_read(conv_key, revision, self.env.now)
+                if refusal:
+                    rec.decision, rec.miss_reason = "recompute", refusal
+                else:
+                    rec.decision = "pull"
+                    reused = decision.tokens
+                    nbytes = profile.transfer_bytes(reused)
+                    fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
+                    rec.d2p_transfer_s = yield self.env.process(
+                        self.interconnect.transfer(d_node.name, self.name, nbytes, fixed))
+                    d_node.end_read(conv_key, self.env.now)
+                    rec.reuse_overhead_s = profile.reuse_overhead_s(reused)
+                    if rec.reuse_overhead_s > 0:
+                        yield self.env.timeout(rec.reuse_overhead_s)
+            else:
+                rec.decision, rec.miss_reason = "recompute", decision.reason.value
+        else:
+            rec.decision = "none"
+        context = local_hit + reused
+        new_tokens = n - context
+        rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
+        done = self.env.event()
+        job = _Job(new_tokens, context, done, self.env.now)
+        self._queue.append(job)
+        self.queued_tokens += new_tokens
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+        yield done
+        rec.p_queue_s = job.started_at - job.enqueued_at
+        rec.prefill_compute_s = self.env.now - job.started_at
+        if self.cache is not None:
+            self.cache.insert(conv_key, revision, n, shared_prefix_tokens)
+
+    # -- the engine loop ----------------------------------------------------------------------
+    def _batch_loop(self) -> Generator[simpy.Event, Any, None]:
+        env, queue = self.env, self._queue
+        while True:
+            if not queue:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+            budget = self.budget
+            chunks: list[tuple[int, int]] = []
+            scheduled: list[tuple[_Job, int]] = []
+            for job in queue:
+                if budget <= 0:
+                    break
+                take = min(job.remaining, budget)
+                if job.started_at < 0:
+                    job.started_at = env.now
+                chunks.append((take, job.context))
+                scheduled.append((job, take))
+                budget -= take
+            step_s = self.profile.prefill_step_s(chunks)
+            yield env.timeout(step_s)
+            self.busy_s += step_s
+            for job, take in scheduled:
+                job.remaining -= take
+                job.context += take
+                self.queued_tokens -= take
+            while queue and queue[0].remaining <= 0:
+                queue.popleft().done.succeed()
+            if any(job.remaining <= 0 for job in queue):  # a short job behind a long one finished too
+                for job in [j for j in queue if j.remaining <= 0]:
+                    queue.remove(job)
+                    job.done.succeed()

@@ -1,0 +1,110 @@
+"""The router, as a real one sees the world: it runs impl.policy's conversation store and placement
+verbatim, learns D's params and expiry from D's finished response, and never reads a turn's future
+(output length, next arrival)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generator
+
+import simpy
+
+from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, PlacementRequest
+
+if TYPE_CHECKING:
+    from sim.decode import DecodeNode, _Seq
+    from sim.prefill import PrefillNode
+    from sim.records import TurnRecord
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticPrompt:
+    """impl.policy.PromptView for a simulated prompt: the content of a conversation at one history
+    revision is a stream identified by (conversation, revision), so a prefix digest is that pair
+    while the prefix fits; a rewritten history is a new revision and no longer continues the old."""
+
+    conversation: str
+    revision: int
+    length: int
+
+    def prefix_digest(self, n: int) -> str:
+        if n > self.length:
+            raise ValueError(f"prefix of {n} requested from a prompt of {self.length}")
+        return f"{self.conversation}\x00{self.revision}"
+
+
+class Router:
+    def __init__(self, env: simpy.Environment, prefill: list["PrefillNode"], decode: list["DecodeNode"],
+                 store: ConversationStore, p_placement: Any, d_placement: Any, rng: random.Random,
+                 bidirectional: bool, prefix_caching: bool) -> None:
+        self.env = env
+        self.prefill = prefill
+        self.decode = decode
+        self._decode_by_name = {d.name: d for d in decode}
+        self.store = store
+        self.p_placement, self.d_placement = p_placement, d_placement
+        self.rng = rng
+        self.bidirectional = bidirectional
+        self.prefix_caching = prefix_caching
+        self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
+        self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
+
+    def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        now = env.now
+        n = rec.prompt_tokens
+        last = self._last_finish.get(key)
+        if last is not None:  # a later turn: the gap feeds retention policies that learn from gaps
+            self._decode_by_name[last[0]].retention.observe_gap(now - last[1])
+        remote = None
+        if self.bidirectional:
+            found = self.store.lookup(key[0], key[1], SyntheticPrompt(key[1], revision, n), now)
+            if found.hit:
+                rec.store_hit = True
+                remote = (self._decode_by_name[found.entry.decode_instance], found.entry.num_tokens)
+            elif rec.turn > 0:
+                rec.miss_reason = found.miss.value
+        elif rec.turn > 0:
+            rec.miss_reason = "bidirectional_off"
+        cached = {}
+        if self.prefix_caching and key in self._last_prefill:
+            cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
+        p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
+        p_loads = [InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens) for p in self.prefill]
+        p_name = self.p_placement.pick(p_loads, p_req, self.rng)
+        p_node = next(p for p in self.prefill if p.name == p_name)
+        rec.prefill_instance = p_name
+        yield env.process(p_node.serve(rec, key, revision, shared_prefix_tokens, remote))
+        self._last_prefill[key] = (p_name, n)
+        d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
+        d_loads = [InstanceLoad(d.name, running_requests=len(d.running), used_blocks=d.running_blocks + d.arriving_blocks,
+                                retained_blocks=d.retained.blocks, total_blocks=d.capacity) for d in self.decode]
+        d_name = self.d_placement.pick(d_loads, d_req, self.rng)
+        rec.decode_instance = d_name
+        yield env.process(self._decode_by_name[d_name].serve(rec, key, revision, p_name))
+
+    def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
+        """D's response finished: store the params it returned (only now, after success)."""
+        key = seq.key
+        self._last_finish[key] = (d_node.name, self.env.now)
+        if expires_at is None:
+            return
+        prompt = SyntheticPrompt(key[1], seq.revision, seq.context)
+        entry = ConversationEntry(d_node.name, {"remote_num_tokens": seq.context}, expires_at, seq.context,
+                                  seq.context, prompt.prefix_digest(seq.context), self.env.now)
+        self.store.record_success(key[0], key[1], entry, self.env.now)
+
+    def heartbeat(self, key: tuple[str, str]) -> None:
+        """Relay a client heartbeat to the D holding the conversation; update the stored expiry."""
+        entry = self.store.get(*key)
+        if entry is None:
+            return
+        renewed = self._decode_by_name[entry.decode_instance].renew(key, self.env.now)
+        if renewed is not None and renewed != entry.expires_at:
+            self.store.record_success(key[0], key[1], _with_expiry(entry, renewed), self.env.now)
+
+
+def _with_expiry(entry: ConversationEntry, expires_at: float) -> ConversationEntry:
+    return ConversationEntry(entry.decode_instance, entry.kv_params, expires_at, entry.num_tokens, entry.held_len,
+                             entry.held_digest, entry.stored_at)
