@@ -7,6 +7,7 @@ arrival time, if later), and under a heartbeat lease the client heartbeats throu
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
@@ -58,6 +59,10 @@ class Cluster:
         self.series: list[tuple[float, str, int, int, int, int]] = []
         self._live_clients = 0
 
+    def _client_pool_worker(self, queue: "collections.deque[Conversation]") -> Generator[simpy.Event, Any, None]:
+        while queue:
+            yield from self._client(queue.popleft())
+
     def _client(self, conv: Conversation) -> Generator[simpy.Event, Any, None]:
         env = self.env
         key = (conv.tenant, conv.conversation_id)
@@ -96,8 +101,13 @@ class Cluster:
     def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None) -> SimResult:
         env = self.env
         self._live_clients = len(conversations)
-        for conv in conversations:
-            env.process(self._client(conv))
+        if self.config.num_clients:
+            queue = collections.deque(conversations)
+            for _ in range(self.config.num_clients):
+                env.process(self._client_pool_worker(queue))
+        else:
+            for conv in conversations:
+                env.process(self._client(conv))
         env.process(self._sampler(self.config.series_interval_s))
         until = self.config.max_sim_time_s
         if progress is None:
@@ -120,7 +130,7 @@ class Cluster:
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
         seen = {(r.conversation, r.turn) for r in self.records}
         for rec in self.records:
-            if math.isnan(rec.completion_s):
+            if math.isnan(rec.completion_s) and not rec.rejected:
                 rec.rejected = "unfinished at max_sim_time_s"
         for conv in conversations:
             for index, turn in enumerate(conv.turns):

@@ -85,6 +85,8 @@ class SimConfig:
     workload: dict = _f({"kind": "synthetic"}, "workload spec (TOML table [workload]; see sim.workload)")
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    num_clients: int = _f(0, "concurrent clients, each running one conversation at a time in order "
+                             "(vLLM's multi-turn benchmark: --num-clients); 0 = one client per conversation")
     max_sim_time_s: float = _f(math.inf, "stop the clock here (turns not finished are reported rejected)")
     series_interval_s: float = _f(10.0, "sampling interval of per-node series")
 
@@ -103,6 +105,7 @@ class SimConfig:
             (p.decoder_kv_blocks_ttl >= 0, "policy.decoder_kv_blocks_ttl", "must be >= 0 (inf allowed)"),
             (p.expiry_margin_s >= 0 and math.isfinite(p.expiry_margin_s), "policy.expiry_margin_s", "must be finite and >= 0"),
             (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
+            (self.num_clients >= 0, "num_clients", "must be >= 0"),
             (self.series_interval_s > 0, "series_interval_s", "must be > 0"),
         ]
         for ok, name, why in checks:

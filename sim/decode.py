@@ -206,6 +206,12 @@ class DecodeNode:
         self.arriving_blocks += hit_blocks
         needed = self._blocks_for(n) - hit_blocks
         arrived_at = env.now
+        if needed + hit_blocks > self.capacity:
+            self.arriving_blocks -= hit_blocks
+            rec.rejected = "prompt exceeds the decode instance's KV capacity"
+            self.totals.rejected += 1
+            self._released()
+            return
         if self._make_room(needed, env.now) and not self._waiting_blocks:
             self.arriving_blocks += needed
         else:
@@ -347,7 +353,14 @@ class DecodeNode:
         self.running_blocks -= seq.blocks
         seq.rec.preempted += 1
         self.totals.preemptions += 1
-        needed = self._blocks_for(seq.context)
+        # it comes back only with room to take at least one more step, or it would livelock
+        needed = self._blocks_for(seq.context + 1)
+        if needed > self.capacity:
+            seq.rec.rejected = "sequence outgrew the decode instance's KV capacity"
+            self.totals.rejected += 1
+            seq.done.succeed()
+            self._released()
+            return
         seq.blocks = needed
         ready = self.env.event()
         self._waiting_blocks.append((needed, ready))

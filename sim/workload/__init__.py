@@ -1,5 +1,95 @@
 """Workloads: synthetic multi-turn (vLLM multi-turn benchmark parameters), agentic tool loops, and
-Mooncake trace replay; all produce :class:`sim.workload.model.Conversation`."""
-from sim.workload.model import Conversation, Turn
+Mooncake trace replay; all produce :class:`sim.workload.model.Conversation`.
 
-__all__ = ["Conversation", "Turn"]
+Reading guide:
+
+* :mod:`~sim.workload.model`         -- Conversation and Turn, the only thing the simulator sees
+* :mod:`~sim.workload.distributions` -- scalar distributions and the config form that builds them
+* :mod:`~sim.workload.synthetic`     -- vLLM's multi-turn benchmark (PR #32553 settings by default)
+* :mod:`~sim.workload.agentic`       -- tool loops: short gaps, context grown by tool results
+* :mod:`~sim.workload.mooncake`      -- Mooncake FAST'25 trace replay and its gap statistics
+* :func:`load_workload`              -- a config table and a seed to conversations
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+from sim.rng import stream
+from sim.workload import agentic, mooncake, synthetic
+from sim.workload.distributions import Distribution, Empirical, parse_distribution
+from sim.workload.model import Conversation, Turn
+from sim.workload.spec import config_from_spec
+
+__all__ = ["Conversation", "Turn", "load_workload"]
+
+WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic")
+MOONCAKE_KEYS = ("kind", "path", "min_parent_blocks")
+TRACE_GAPS_KIND = "mooncake_gaps"  # a distribution of gaps resampled from a Mooncake trace
+
+
+def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
+    """The conversations a ``[workload]`` table describes, reproducible from ``seed``.
+
+    ``kind`` picks the generator; the other keys override fields of its config dataclass, where
+    ``num_conversations`` is the count for both generators
+    (``synthetic``: :class:`~sim.workload.synthetic.SyntheticMultiTurnConfig`, ``agentic``:
+    :class:`~sim.workload.agentic.AgenticConfig`) or, for ``mooncake``, give ``path`` and optionally
+    ``min_parent_blocks``. A distribution field may also be ``{kind = "mooncake_gaps", path = ...}``:
+    gaps resampled from a trace. Unknown keys are errors that name the key.
+
+    Each subsystem gets its own stream from :func:`sim.rng.stream`, seeded by the string
+    ``"<seed>:<name>"`` (``random`` hashes str seeds with SHA-512, so they do not depend on
+    PYTHONHASHSEED): ``workload`` (token counts), ``gaps`` (timing), ``trace-jitter`` (arrival jitter
+    of a replayed trace), ``gap-trace-jitter`` (gaps resampled from a trace).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"workload: expected a table, got {spec!r}")
+    if "kind" not in spec:
+        raise ValueError(f"workload: missing key 'kind' (one of: {', '.join(WORKLOAD_KINDS)})")
+    kind = spec["kind"]
+    options = {key: value for key, value in spec.items() if key != "kind"}
+    parse = functools.partial(_parse_distribution_or_trace_gaps, seed=seed)
+
+    if kind == "synthetic":
+        config = config_from_spec(synthetic.SyntheticMultiTurnConfig, options, "workload", parse)
+        return synthetic.generate(config, stream(seed, "workload"), stream(seed, "gaps"))
+    if kind == "agentic":
+        agentic_config = config_from_spec(agentic.AgenticConfig, options, "workload", parse)
+        return agentic.generate(agentic_config, stream(seed, "workload"), stream(seed, "gaps"))
+    if kind == "mooncake":
+        for key in spec:
+            if key not in MOONCAKE_KEYS:
+                raise ValueError(f"workload: unknown key {key!r} for kind 'mooncake' "
+                                 f"(allowed: {', '.join(MOONCAKE_KEYS)})")
+        path = _trace_path(spec, "workload")
+        min_parent_blocks = spec.get("min_parent_blocks", 2)
+        if isinstance(min_parent_blocks, bool) or not isinstance(min_parent_blocks, int):
+            raise ValueError(f"workload.min_parent_blocks: expected an integer, got {min_parent_blocks!r}")
+        return mooncake.load_trace(path, stream(seed, "trace-jitter"), min_parent_blocks=min_parent_blocks)
+    raise ValueError(f"workload.kind: unknown workload kind {kind!r} (one of: {', '.join(WORKLOAD_KINDS)})")
+
+
+def _trace_path(spec: Mapping[str, object], where: str) -> str:
+    if "path" not in spec:
+        raise ValueError(f"{where}: missing key 'path' (the trace file)")
+    path = spec["path"]
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}.path: expected a file path, got {path!r}")
+    return path
+
+
+def _parse_distribution_or_trace_gaps(value: object, field: str, *, seed: int) -> Distribution:
+    """parse_distribution, plus the ``mooncake_gaps`` kind (kept here so distributions does no I/O)."""
+    if not (isinstance(value, Mapping) and value.get("kind") == TRACE_GAPS_KIND):
+        return parse_distribution(value, field)
+    for key in value:
+        if key not in ("kind", "path"):
+            raise ValueError(f"{field}: unknown key {key!r} for kind {TRACE_GAPS_KIND!r} (allowed: kind, path)")
+    gaps = mooncake.sample_gaps(_trace_path(value, field), stream(seed, "gap-trace-jitter"))
+    if not gaps:
+        raise ValueError(f"{field}: the trace has no parent->child gaps to resample")
+    return Empirical(tuple(gaps))
