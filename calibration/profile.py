@@ -11,7 +11,7 @@ already cached in front of them, r = tokens reused from a peer, B = batch size):
                          (calibrated, not physical: the ON path's measured growth beyond transfer +
                          suffix compute, see ../shared/BRIEF.md "ON prefill grows ~12.5 us per context token")
 * decode step       t = decode_fixed_s + decode_per_seq_s * B + decode_per_ctx_token_s * sum(context)
-* TTFT overhead     t = ttft_overhead_s (router, P->D hand-off and first decode step as seen by the client)
+* TTFT overhead     t = ttft_overhead_fixed_s (router, P->D hand-off and first decode step as seen by the client)
 
 The profile implements :class:`impl.policy.KVCostModel` so ``BreakEvenThreshold`` can use it.
 """
@@ -46,7 +46,7 @@ class LatencyProfile:
     decode_fixed_s: float
     decode_per_seq_s: float
     decode_per_ctx_token_s: float
-    ttft_overhead_s: float
+    ttft_overhead_fixed_s: float
     decode_hbm_kv_bytes: float  # KV budget per decode instance (HBM left after weights and activations)
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -89,6 +89,10 @@ class LatencyProfile:
 
     def reuse_overhead_s(self, reused_tokens: int) -> float:
         return self.reuse_overhead_per_token_s * reused_tokens
+
+    def ttft_overhead_s(self, prompt_tokens: int, reused_tokens: int) -> float:
+        """What the client waits beyond P's prefill and the P->D transfer for its first token."""
+        return self.ttft_overhead_fixed_s
 
     # --- decode --------------------------------------------------------------------------------
     def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:
