@@ -75,7 +75,7 @@ class Cluster:
                 yield from self._wait(key, release, lease)
             rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
             self.records.append(rec)
-            yield env.process(self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens))
+            yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens)
         self._live_clients -= 1
 
     def _wait(self, key: tuple[str, str], release: float, lease: HeartbeatLease | None) -> Generator[simpy.Event, Any, None]:

@@ -223,7 +223,7 @@ class DecodeNode:
         rec.p2d_tokens = n - hit_tokens
         if rec.p2d_tokens > 0:
             fixed = profile.transfer_fixed_s(profile.blocks_for(rec.p2d_tokens))
-            rec.p2d_transfer_s = yield env.process(
+            rec.p2d_transfer_s = yield from (
                 self.interconnect.transfer(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed))
         done = env.event()
         seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, done)

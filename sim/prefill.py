@@ -118,7 +118,7 @@ class PrefillNode:
                     reused = decision.tokens
                     nbytes = profile.transfer_bytes(reused)
                     fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
-                    rec.d2p_transfer_s = yield self.env.process(
+                    rec.d2p_transfer_s = yield from (
                         self.interconnect.transfer(d_node.name, self.name, nbytes, fixed))
                     d_node.end_read(conv_key, self.env.now)
                     rec.reuse_overhead_s = profile.reuse_overhead_s(reused)

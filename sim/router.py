@@ -75,14 +75,14 @@ class Router:
         p_name = self.p_placement.pick(p_loads, p_req, self.rng)
         p_node = next(p for p in self.prefill if p.name == p_name)
         rec.prefill_instance = p_name
-        yield env.process(p_node.serve(rec, key, revision, shared_prefix_tokens, remote))
+        yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote)
         self._last_prefill[key] = (p_name, n)
         d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
         d_loads = [InstanceLoad(d.name, running_requests=len(d.running), used_blocks=d.running_blocks + d.arriving_blocks,
                                 retained_blocks=d.retained.blocks, total_blocks=d.capacity) for d in self.decode]
         d_name = self.d_placement.pick(d_loads, d_req, self.rng)
         rec.decode_instance = d_name
-        yield env.process(self._decode_by_name[d_name].serve(rec, key, revision, p_name))
+        yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name)
 
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
