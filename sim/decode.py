@@ -276,17 +276,25 @@ class DecodeNode:
             self._finish_done(now)
             if not self.running:
                 continue
-            batch = len(self.running)
-            context = sum(s.context for s in self.running)
-            k = min(s.remaining for s in self.running)
-            k = self._steps_that_fit(k, now)
-            if k == 0:
-                self._preempt_newest(now)
-                continue
-            for s in self.running:  # reserve the segment's growth now, so admissions cannot take it
-                reserved = -(-(s.context + k) // bs)
-                self.running_blocks += reserved - s.blocks
-                s.blocks = reserved
+            running = self.running
+            batch = len(running)
+            context = 0
+            k = running[0].remaining
+            for s in running:
+                context += s.context
+                if s.remaining < k:
+                    k = s.remaining
+            growth = sum(-(-(s.context + k) // bs) - s.blocks for s in running)
+            if growth > self.free_blocks and not self._make_room(growth, now):
+                k = self._steps_that_fit(k, now)
+                if k == 0:
+                    self._preempt_newest(now)
+                    continue
+                growth = sum(-(-(s.context + k) // bs) - s.blocks for s in running)
+            # reserve the segment's growth now, so admissions during the segment cannot take it
+            for s in running:
+                s.blocks = -(-(s.context + k) // bs)
+            self.running_blocks += growth
             self._check()
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
@@ -295,11 +303,13 @@ class DecodeNode:
                 return j * step0 + slope * j * (j - 1) / 2
 
             segment_s = elapsed(k)
-            self._wake = env.event()
+            # one wake event serves both ends of the wait: the segment's timer or a joining sequence
+            wake = self._wake = env.event()
             timer = env.timeout(segment_s)
-            yield timer | self._wake
+            timer.callbacks.append(lambda _e, w=wake: None if w.triggered else w.succeed())
+            yield wake
             self._wake = None
-            if not timer.processed and env.now - now < segment_s:
+            if env.now - now < segment_s:
                 # a sequence is waiting to join: run to the end of the step in progress
                 j = self._steps_within(env.now - now, step0, slope, k)
                 j = min(j + 1, k)
