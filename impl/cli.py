@@ -10,6 +10,7 @@ import sys
 # (module, what it adds); each module exposes register(subparsers)
 SUBCOMMAND_MODULES = [
     "sim.cli",  # simulate
+    "sim.tune.cli",  # tune
 ]
 
 

@@ -19,6 +19,7 @@ from impl.policy import ConversationStore, HeartbeatLease
 from sim.config import SimConfig
 from sim.decode import DecodeNode
 from sim.interconnect import Interconnect
+from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
 from sim.records import TurnRecord, summarize
 from sim.rng import stream
@@ -55,9 +56,27 @@ class Cluster:
                                           pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
                                           self.interconnect, self.router.on_decode_finish))
         self.router._decode_by_name.update({d.name: d for d in self.decode})
+        self._conversations: dict[tuple[str, str], Conversation] = {}
+        self._turn_index: dict[tuple[str, str], int] = {}
+        if pol.retention == "oracle":
+            oracle = OracleRetention(self._next_reuse, pol.expiry_margin_s)
+            for d in self.decode:
+                d.retention = oracle
+                d.retention_expiry = oracle.expiry_for
         self.records: list[TurnRecord] = []
         self.series: list[tuple[float, str, int, int, int, int]] = []
         self._live_clients = 0
+
+    def _next_reuse(self, key: tuple[str, str], now: float) -> float | None:
+        """Arrival of the conversation's next turn if it continues the current one (oracle only)."""
+        conv = self._conversations[key]
+        index = self._turn_index[key] + 1
+        if index >= len(conv.turns):
+            return None
+        turn = conv.turns[index]
+        if turn.history_revision != conv.turns[index - 1].history_revision:
+            return None
+        return now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, now)
 
     def _client_pool_worker(self, queue: "collections.deque[Conversation]") -> Generator[simpy.Event, Any, None]:
         while queue:
@@ -73,6 +92,8 @@ class Cluster:
             if index:
                 release = env.now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, env.now)
                 yield from self._wait(key, release, lease)
+            self._conversations[key] = conv
+            self._turn_index[key] = index
             rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
             self.records.append(rec)
             yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens)

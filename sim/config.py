@@ -50,7 +50,8 @@ class PolicyConfig:
     kv_recompute_threshold: int = _f(64, "tokens: pull iff reusable >= this (0 disables the check)")
     recompute_policy: str = _f("fixed", "pull-vs-recompute policy", choices=("fixed", "break_even"))
     apply_threshold_p_to_d: bool = _f(False, "also apply the threshold on the P->D path (vLLM #55801)")
-    retention: str = _f("ttl", "decode-side retention policy", choices=("ttl", "lease", "gap_quantile"))
+    retention: str = _f("ttl", "decode-side retention policy (oracle: clairvoyant bound, simulator only)",
+                        choices=("ttl", "lease", "gap_quantile", "oracle"))
     decoder_kv_blocks_ttl: float = _f(480.0, "seconds D keeps a finished turn's blocks (ttl policy; inf allowed)")
     lease_s: float = _f(30.0, "lease length in seconds (lease policy)")
     heartbeat_interval_s: float = _f(10.0, "client heartbeat interval in seconds (lease policy)")

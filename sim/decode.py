@@ -48,6 +48,8 @@ class DecodeNode:
         self.capacity = capacity_blocks
         self.max_num_seqs = max_num_seqs
         self.retention = retention
+        # (key, now) -> expiry; only the simulator's oracle needs the key, real policies do not
+        self.retention_expiry: Callable[[Any, float], float] = lambda _key, now: retention.expiry_on_finish(now)
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
         self.margin = expiry_margin_s
@@ -393,7 +395,7 @@ class DecodeNode:
             seq.rec.completion_s = now
             expires_at = None
             if self.bidirectional and seq.blocks:
-                expires_at = self.retention.expiry_on_finish(now)
+                expires_at = self.retention_expiry(seq.key, now)
                 if expires_at > now:
                     self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
                 else:

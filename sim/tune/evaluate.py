@@ -1,0 +1,42 @@
+"""One sweep point: simulate a candidate and reduce it to the figures the frontier needs.
+
+A top-level function of plain data in, plain data out, so a process pool or Ray can run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sim.config import SimConfig
+from sim.runner import run_config
+
+
+def evaluate(config: SimConfig, policy_overrides: dict[str, Any]) -> dict[str, Any]:
+    cfg = dataclasses.replace(config, policy=dataclasses.replace(config.policy, **policy_overrides)).validate()
+    result = run_config(cfg)
+    s = result.summary
+    done = [r for r in result.records if not r.rejected]
+    ttfts = sorted(r.ttft_s for r in done)
+    return {
+        "ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"], "ttft_p99_ms": s["ttft"]["p99_ms"],
+        "ttft_mean_ms": s["ttft"]["mean_ms"],
+        "tokens_recomputed": s["tokens_recomputed"], "tokens_reused": s["tokens_reused"],
+        "retained_hbm_gb_s": s["retained_hbm_gb_s"], "peak_retained_hbm_gb": s["peak_retained_hbm_gb"],
+        "preemptions": s["preemptions"], "rejected": s["rejected"], "dropped_under_pressure": s["dropped_under_pressure"],
+        "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"],
+        "ttft_cdf_ms": [t * 1e3 for t in ttfts[:: max(1, len(ttfts) // 200)]],
+        "retained_series": _retained_series(result, cfg),
+    }
+
+
+def _retained_series(result: Any, cfg: SimConfig) -> list[tuple[float, float]]:
+    """Total retained GB across decode nodes over time (sampled)."""
+    from calibration.profile import LatencyProfile
+
+    profile = LatencyProfile.load(cfg.profile)
+    gb_per_block = profile.kv_bytes_per_token * profile.block_size / 1e9
+    totals: dict[float, float] = {}
+    for t, _node, _running, retained, _cached, _cap in result.series:
+        totals[t] = totals.get(t, 0.0) + retained * gb_per_block
+    return sorted(totals.items())

@@ -1,0 +1,69 @@
+"""From sweep results to a frontier and a recommendation, each point measured against the oracle.
+
+Savings are relative to bidirectional OFF: compute saving = prompt tokens recomputed with OFF minus
+with the configuration; TTFT saving = mean TTFT with OFF minus with the configuration. Each is then
+expressed as a percentage of the oracle's saving.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from sim.tune.grid import Candidate
+
+OBJECTIVES = {"ttft_p50": "ttft_p50_ms", "ttft_p90": "ttft_p90_ms", "ttft_p99": "ttft_p99_ms",
+              "compute": "tokens_recomputed"}
+
+
+@dataclass
+class Point:
+    candidate: Candidate
+    metrics: dict[str, Any]
+    compute_saving_pct_of_oracle: float = math.nan
+    ttft_saving_pct_of_oracle: float = math.nan
+    hbm_vs_default: float = math.nan
+    mean_retained_hbm_gb: float = 0.0
+    on_frontier: bool = False
+    feasible: bool = True
+
+
+def _pct(value: float, oracle: float) -> float:
+    return value / oracle * 100.0 if oracle > 0 else math.nan
+
+
+def analyse(candidates: Sequence[Candidate], metrics: Sequence[dict[str, Any]], objective: str,
+            max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float) -> tuple[list[Point], Point | None]:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {objective!r}")
+    points = [Point(c, m) for c, m in zip(candidates, metrics)]
+    by_kind = {p.candidate.kind: p for p in points if p.candidate.kind != "sweep"}
+    off, oracle, default = by_kind["baseline_off"], by_kind["oracle"], by_kind["default"]
+    oracle_compute = off.metrics["tokens_recomputed"] - oracle.metrics["tokens_recomputed"]
+    oracle_ttft = off.metrics["ttft_mean_ms"] - oracle.metrics["ttft_mean_ms"]
+    budget_gb = max_retained_hbm_pct / 100.0 * decode_hbm_gb
+    for p in points:
+        m = p.metrics
+        p.compute_saving_pct_of_oracle = _pct(off.metrics["tokens_recomputed"] - m["tokens_recomputed"], oracle_compute)
+        p.ttft_saving_pct_of_oracle = _pct(off.metrics["ttft_mean_ms"] - m["ttft_mean_ms"], oracle_ttft)
+        p.hbm_vs_default = (m["retained_hbm_gb_s"] / default.metrics["retained_hbm_gb_s"]
+                            if default.metrics["retained_hbm_gb_s"] > 0 else math.nan)
+        p.mean_retained_hbm_gb = m["retained_hbm_gb_s"] / m["sim_time_s"] if m["sim_time_s"] > 0 else 0.0
+        p.feasible = p.mean_retained_hbm_gb <= budget_gb and m["rejected"] == 0
+    key = OBJECTIVES[objective]
+    sweep = [p for p in points if p.candidate.kind in ("sweep", "default")]
+    # Pareto over (objective, retained GB*s): nobody else is at least as good on both and better on one
+    for p in sweep:
+        a, b = p.metrics[key], p.metrics["retained_hbm_gb_s"]
+        p.on_frontier = not any(
+            (q.metrics[key] <= a and q.metrics["retained_hbm_gb_s"] <= b)
+            and (q.metrics[key] < a or q.metrics["retained_hbm_gb_s"] < b) for q in sweep)
+    feasible = [p for p in sweep if p.feasible]
+    if not feasible:
+        return points, None
+    best = min(p.metrics[key] for p in feasible)
+    # within tolerance of the best objective, the one that pins the least HBM (then the simpler label)
+    near = [p for p in feasible if p.metrics[key] <= best * (1 + tolerance_pct / 100.0) + 1e-9]
+    chosen = min(near, key=lambda p: (p.metrics["retained_hbm_gb_s"], p.metrics[key], p.candidate.label))
+    return points, chosen

@@ -1,0 +1,80 @@
+"""Candidate configurations: what a sweep point changes, named for people and for vLLM."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, math.inf)
+DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
+DEFAULT_LEASES_S = (30.0, 120.0)
+DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str
+    policy: dict[str, Any] = field(default_factory=dict)  # overrides of sim.config.PolicyConfig fields
+    kind: str = "sweep"  # sweep | baseline_off | oracle | default
+
+    @property
+    def threshold(self) -> str:
+        return "break_even" if self.policy.get("recompute_policy") == "break_even" else str(self.policy.get("kv_recompute_threshold", 64))
+
+
+def _threshold_policy(threshold: str) -> dict[str, Any]:
+    if threshold == "break_even":
+        return {"recompute_policy": "break_even"}
+    try:
+        tokens = int(threshold)
+    except ValueError:
+        raise ValueError(f"threshold {threshold!r} must be a token count or 'break_even'") from None
+    if tokens < 0:
+        raise ValueError(f"threshold {threshold!r} must be >= 0")
+    return {"recompute_policy": "fixed", "kv_recompute_threshold": tokens}
+
+
+def _fmt_s(seconds: float) -> str:
+    return "inf" if math.isinf(seconds) else f"{seconds:g}s"
+
+
+def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[str] = DEFAULT_THRESHOLDS,
+               leases_s: Sequence[float] = DEFAULT_LEASES_S, gap_quantiles: Sequence[float] = DEFAULT_GAP_QUANTILES) -> list[Candidate]:
+    """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, then the references."""
+    out: list[Candidate] = []
+    for threshold in thresholds:
+        tp = _threshold_policy(threshold)
+        for ttl in ttls_s:
+            if ttl < 0 or math.isnan(ttl):
+                raise ValueError(f"TTL {ttl!r} must be >= 0 seconds")
+            out.append(Candidate(f"ttl={_fmt_s(ttl)} thr={threshold}", {"retention": "ttl", "decoder_kv_blocks_ttl": ttl, **tp}))
+        for lease in leases_s:
+            if not lease > 0:
+                raise ValueError(f"lease {lease!r} must be > 0 seconds")
+            out.append(Candidate(f"lease={_fmt_s(lease)} thr={threshold}",
+                                 {"retention": "lease", "lease_s": lease, "heartbeat_interval_s": lease / 3, **tp}))
+        for q in gap_quantiles:
+            if not 0 < q <= 1:
+                raise ValueError(f"gap quantile {q!r} must be in (0, 1]")
+            out.append(Candidate(f"gap_q={q:g} thr={threshold}", {"retention": "gap_quantile", "gap_quantile": q, **tp}))
+    return out
+
+
+REFERENCES = (
+    Candidate("OFF (one-way transfer)", {"bidirectional": False}, kind="baseline_off"),
+    Candidate("vLLM default (ttl=480s thr=64)", {"retention": "ttl", "decoder_kv_blocks_ttl": 480.0,
+                                                 "recompute_policy": "fixed", "kv_recompute_threshold": 64}, kind="default"),
+    Candidate("oracle", {"retention": "oracle", "recompute_policy": "break_even"}, kind="oracle"),
+)
+
+
+def parse_floats(text: str, name: str) -> list[float]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            values.append(math.inf if part.lower() in ("inf", "infinity") else float(part))
+        except ValueError:
+            raise ValueError(f"--{name}: {part!r} is not a number") from None
+    return values
