@@ -1,17 +1,34 @@
 """A latency profile: the numbers the simulator runs on, for one model on one hardware/TP setup.
 
-Every term has a unit and a stated cause. The equations (n = new tokens computed, c = tokens
-already cached in front of them, r = tokens reused from a peer, B = batch size):
+Every term has a unit and a stated cause. The equations (n = new tokens computed, c = tokens already
+cached in front of them, r = tokens reused from a peer, N = prompt tokens, B = batch size,
+b = KV bytes per token, whole model over the TP ranks):
 
-* prefill step      t = prefill_fixed_s + prefill_per_token_s * n + prefill_attn_s * n * (c + n / 2)
-                         (fixed launch/scheduling cost, linear GEMM work, attention over the context)
-* KV transfer       t = transfer_setup_s + transfer_per_block_s * blocks + bytes / transfer_bytes_per_s
-                         (handshake/notification, per-descriptor work, wire time at line rate x efficiency)
+* prefill step      t = prefill_fixed_s
+                        + sum over chunks [ prefill_per_token_s * n
+                                            + prefill_attn_s * P_W(n, c) + prefill_index_s * P(n, c) ]
+      P(n, c)   = n (c + n/2)                      causal (query, key) pairs, continuous form
+      P_W(n, c) = sum_i min(c + i, W)              pairs a query attends when it reads at most
+                                                   W = attn_window_tokens keys (DSA top-k); W = 0: P
+      causes: per-forward fixed cost (launches, syncs, scheduling; calibrated, see calibration.prefill),
+      linear-layer FLOPs, attention FLOPs, the DSA indexer's FLOPs over every pair.
+* KV transfer       t = transfer_setup_s + transfer_per_block_s * blocks + b * tokens / transfer_bytes_per_s
+      causes: per-request handshake/notification, per-descriptor work (one NIXL descriptor per block and
+      registered region on every rank), wire time at EFA line rate x efficiency (calibration.transfer).
 * reuse overhead    t = reuse_overhead_per_token_s * r
-                         (calibrated, not physical: the ON path's measured growth beyond transfer +
-                         suffix compute, see ../shared/BRIEF.md "ON prefill grows ~12.5 us per context token")
+      calibrated, not physical: the ON path's measured growth beyond transfer + suffix compute
+      (../shared/BRIEF.md: "ON prefill grows ~12.5 us per context token, ~8 us/token more than transfer +
+      suffix compute explain"); cause not identified (calibration.reuse).
 * decode step       t = decode_fixed_s + decode_per_seq_s * B + decode_per_ctx_token_s * sum(context)
-* TTFT overhead     t = ttft_overhead_fixed_s (router, P->D hand-off and first decode step as seen by the client)
+      causes: weights read from HBM + per-layer launch/all-reduce cost, extra experts read per extra
+      sequence (MoE), KV read per context token (calibration.decode; first principles, not calibrated:
+      nothing about decode is published).
+* TTFT overhead     t = ttft_overhead_fixed_s + ttft_overhead_per_prompt_token_s * N
+                        + ttft_overhead_per_reused_byte_s * b * r
+      what the client sees beyond P's queue, prefill and the P->D transfer: proxy hops and D's
+      scheduling and first step (fixed, s); D re-rendering and re-tokenising the forwarded prompt (s per
+      prompt token); and on the ON path a cost per reused KV byte that is calibrated, not physical, cause
+      not identified (calibration.ttft).
 
 The profile implements :class:`impl.policy.KVCostModel` so ``BreakEvenThreshold`` can use it.
 """
@@ -25,6 +42,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from calibration.prefill import causal_pairs, windowed_pairs
+
 PROFILES_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
 
 
@@ -35,19 +54,27 @@ class LatencyProfile:
     hardware: str
     tp: int
     kv_bytes_per_token: float  # whole model, all layers, summed over TP ranks
-    block_size: int  # tokens per KV block (vLLM's GPU default is 16)
-    prefill_fixed_s: float
-    prefill_per_token_s: float
-    prefill_attn_s: float  # per new token per token of context
-    transfer_setup_s: float
-    transfer_per_block_s: float
+    block_size: int  # tokens per KV block (vLLM: 16 for FlashAttention, 64 for FlashMLA)
+    prefill_fixed_s: float  # per forward pass
+    prefill_per_token_s: float  # linear layers, per new token
+    prefill_attn_s: float  # per (new token, attended key) pair within the window
+    attn_window_tokens: int  # keys a query attends at most (DSA top-k); 0 = dense causal attention
+    prefill_index_s: float  # DSA indexer, per (new token, context token) pair; 0 without an indexer
+    transfer_setup_s: float  # per transfer
+    transfer_per_block_s: float  # per KV block (descriptors per block x per-descriptor cost)
     transfer_bytes_per_s: float  # effective: line rate x efficiency, over all NICs the KV crosses
-    reuse_overhead_per_token_s: float
+    reuse_overhead_per_token_s: float  # calibrated, per reused token (ON path)
     decode_fixed_s: float
     decode_per_seq_s: float
     decode_per_ctx_token_s: float
-    ttft_overhead_fixed_s: float
     decode_hbm_kv_bytes: float  # KV budget per decode instance (HBM left after weights and activations)
+    ttft_overhead_fixed_s: float
+    ttft_overhead_per_prompt_token_s: float
+    ttft_overhead_per_reused_byte_s: float  # calibrated, per reused KV byte (ON path)
+    # How the parts assemble (calibration.closed_form.Assembly; the simulator applies the same):
+    # does the P->D hand-off pay transfer_setup_s, and does the D->P pull's setup overlap P's fixed cost?
+    handoff_pays_transfer_setup: bool = True
+    pull_setup_overlaps_prefill_fixed: bool = False
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,17 +83,30 @@ class LatencyProfile:
             if f.type in ("float", "int") and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                                or math.isnan(value) or value < 0):
                 raise ValueError(f"profile {self.name!r}: field {f.name} must be a number >= 0, got {value!r}")
-        if self.block_size < 1 or self.tp < 1:
-            raise ValueError(f"profile {self.name!r}: block_size and tp must be >= 1")
-        if self.transfer_bytes_per_s <= 0 or self.kv_bytes_per_token <= 0:
-            raise ValueError(f"profile {self.name!r}: transfer_bytes_per_s and kv_bytes_per_token must be > 0")
+            if f.type == "int" and not isinstance(value, int):
+                raise ValueError(f"profile {self.name!r}: field {f.name} must be an integer, got {value!r}")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"profile {self.name!r}: field {f.name} must be true or false, got {value!r}")
+            if f.type == "str" and not isinstance(value, str):
+                raise ValueError(f"profile {self.name!r}: field {f.name} must be a string, got {value!r}")
+        if self.block_size < 1:
+            raise ValueError(f"profile {self.name!r}: field block_size must be >= 1, got {self.block_size}")
+        if self.tp < 1:
+            raise ValueError(f"profile {self.name!r}: field tp must be >= 1, got {self.tp}")
+        for name in ("transfer_bytes_per_s", "kv_bytes_per_token"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"profile {self.name!r}: field {name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.provenance, dict):
+            raise ValueError(f"profile {self.name!r}: field provenance must be an object")
 
     # --- prefill -------------------------------------------------------------------------------
     def prefill_step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """One prefill forward pass over ``(new_tokens, cached_context_tokens)`` chunks."""
         work = 0.0
         for n, c in chunks:
-            work += self.prefill_per_token_s * n + self.prefill_attn_s * n * (c + n / 2)
+            work += (self.prefill_per_token_s * n
+                     + self.prefill_attn_s * windowed_pairs(n, c, self.attn_window_tokens)
+                     + self.prefill_index_s * causal_pairs(n, c))
         return self.prefill_fixed_s + work
 
     def compute_s(self, new_tokens: int, cached_context_tokens: int) -> float:
@@ -80,6 +120,15 @@ class LatencyProfile:
         """The part of a transfer that does not scale with bytes on the wire."""
         return self.transfer_setup_s + self.transfer_per_block_s * blocks
 
+    def handoff_fixed_s(self, blocks: int) -> float:
+        """Fixed part of the P->D hand-off: the setup only if this profile's assembly charges it."""
+        setup = self.transfer_setup_s if self.handoff_pays_transfer_setup else 0.0
+        return setup + self.transfer_per_block_s * blocks
+
+    def pull_hidden_s(self) -> float:
+        """Fixed prefill work a pulled request has already done while its pull was being set up."""
+        return min(self.transfer_setup_s, self.prefill_fixed_s) if self.pull_setup_overlaps_prefill_fixed else 0.0
+
     def transfer_bytes(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token
 
@@ -90,9 +139,11 @@ class LatencyProfile:
     def reuse_overhead_s(self, reused_tokens: int) -> float:
         return self.reuse_overhead_per_token_s * reused_tokens
 
+    # --- time to first token -------------------------------------------------------------------
     def ttft_overhead_s(self, prompt_tokens: int, reused_tokens: int) -> float:
-        """What the client waits beyond P's prefill and the P->D transfer for its first token."""
-        return self.ttft_overhead_fixed_s
+        """Client-visible time beyond P's queue, prefill and the P->D transfer (>= 0)."""
+        return (self.ttft_overhead_fixed_s + self.ttft_overhead_per_prompt_token_s * prompt_tokens
+                + self.ttft_overhead_per_reused_byte_s * self.transfer_bytes(reused_tokens))
 
     # --- decode --------------------------------------------------------------------------------
     def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:
@@ -122,7 +173,8 @@ class LatencyProfile:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"{source}: unknown profile field(s) {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in data and f.name != "provenance")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if missing:
             raise ValueError(f"{source}: missing profile field(s) {missing}")
         try:

@@ -11,6 +11,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "sim.cli",  # simulate
     "sim.tune.cli",  # tune
+    "calibration.cli",  # calibrate, profile
 ]
 
 

@@ -224,7 +224,7 @@ class DecodeNode:
         self._check()
         rec.p2d_tokens = n - hit_tokens
         if rec.p2d_tokens > 0:
-            fixed = profile.transfer_fixed_s(profile.blocks_for(rec.p2d_tokens))
+            fixed = profile.handoff_fixed_s(profile.blocks_for(rec.p2d_tokens))
             rec.p2d_transfer_s = yield from (
                 self.interconnect.transfer(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed))
         done = env.event()

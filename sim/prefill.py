@@ -74,11 +74,12 @@ class PrefixCache:
 
 
 class _Job:
-    __slots__ = ("remaining", "context", "done", "enqueued_at", "started_at")
+    __slots__ = ("remaining", "context", "done", "enqueued_at", "started_at", "fixed_done_s")
 
-    def __init__(self, remaining: int, context: int, done: simpy.Event, now: float) -> None:
+    def __init__(self, remaining: int, context: int, done: simpy.Event, now: float, fixed_done_s: float) -> None:
         self.remaining, self.context, self.done = remaining, context, done
         self.enqueued_at, self.started_at = now, -1.0
+        self.fixed_done_s = fixed_done_s  # fixed prefill work already done while its pull was set up
 
 
 class PrefillNode:
@@ -128,11 +129,13 @@ class PrefillNode:
                 rec.decision, rec.miss_reason = "recompute", decision.reason.value
         else:
             rec.decision = "none"
+        if n - local_hit - reused < 1:  # vLLM always computes the last prompt token (it needs its logits)
+            reused = max(n - 1 - local_hit, 0)
         context = local_hit + reused
         new_tokens = n - context
         rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
         done = self.env.event()
-        job = _Job(new_tokens, context, done, self.env.now)
+        job = _Job(new_tokens, context, done, self.env.now, self.profile.pull_hidden_s() if reused else 0.0)
         self._queue.append(job)
         self.queued_tokens += new_tokens
         if self._wake is not None and not self._wake.triggered:
@@ -154,16 +157,18 @@ class PrefillNode:
             budget = self.budget
             chunks: list[tuple[int, int]] = []
             scheduled: list[tuple[_Job, int]] = []
+            hidden = 0.0
             for job in queue:
                 if budget <= 0:
                     break
                 take = min(job.remaining, budget)
                 if job.started_at < 0:
                     job.started_at = env.now
+                    hidden = max(hidden, job.fixed_done_s)
                 chunks.append((take, job.context))
                 scheduled.append((job, take))
                 budget -= take
-            step_s = self.profile.prefill_step_s(chunks)
+            step_s = self.profile.prefill_step_s(chunks) - hidden
             yield env.timeout(step_s)
             self.busy_s += step_s
             for job, take in scheduled:

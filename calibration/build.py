@@ -1,0 +1,68 @@
+"""Profiles from an architecture: config.json + hardware + TP + hardware efficiencies -> LatencyProfile.
+
+Each latency model contributes its own profile fields (calibration.prefill, .transfer, .reuse, .ttft,
+.decode); this module only composes them. ``profile_from_architecture`` is what
+``bidikv profile --model-config config.json --hardware p5en --tp N`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+from calibration import decode, prefill, reuse, transfer, ttft
+from calibration.architecture import Architecture, architecture_from_config_file
+from calibration.efficiencies import HardwareEfficiencies, load_efficiencies
+from calibration.floors import floor_rows
+from calibration.hardware import Hardware, load_hardware
+from calibration.profile import LatencyProfile
+
+DEFAULT_FLOOR_PROMPTS = (2048, 24576)
+
+
+def build_profile(arch: Architecture, hw: Hardware, tp: int, eff: HardwareEfficiencies, *, name: str,
+                  model: str, block_size: int | None = None,
+                  provenance: dict[str, Any] | None = None) -> LatencyProfile:
+    hw.check_tp(tp)
+    fields: dict[str, Any] = {}
+    fields.update(prefill.coefficients(arch, hw, tp, eff))
+    fields.update(transfer.coefficients(arch, hw, tp, eff))
+    fields.update(reuse.coefficients(eff))
+    fields.update(ttft.coefficients(eff))
+    fields.update(decode.coefficients(arch, hw, tp, eff))
+    return LatencyProfile(name=name, model=model, hardware=hw.name, tp=tp, kv_bytes_per_token=arch.kv_bytes_per_token(tp),
+                          block_size=block_size or arch.default_block_size, provenance=provenance or {}, **fields)
+
+
+def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | Hardware = "p5en", tp: int = 8,
+                              efficiencies: HardwareEfficiencies | str | None = None, *, name: str | None = None,
+                              kv_cache_dtype: str = "auto", block_size: int | None = None,
+                              user_tokens: int = 140) -> LatencyProfile:
+    """A profile for a model nobody measured: its architecture with efficiencies fitted elsewhere.
+
+    ``efficiencies`` defaults to the ones fitted on the measured models for ``hardware``
+    (``calibration/data/<hardware>_efficiencies.json``).
+    """
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    if efficiencies is None:
+        efficiencies = hw.key
+    eff = efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies)
+    arch = architecture_from_config_file(config_path, kv_cache_dtype=kv_cache_dtype, name=name)
+    model = name or arch.name
+    profile_name = f"{model}@{hw.key}-tp{tp}"
+    profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
+    fitted_under = eff.provenance.get("assembly")  # the efficiencies only mean something under their assembly
+    if fitted_under:
+        profile = dataclasses.replace(profile, **fitted_under)
+    provenance = {
+        "source": "calibration.build.profile_from_architecture: architecture x hardware efficiencies; "
+                  "not measured (see the leave-one-model-out errors for how far to trust it)",
+        "config": str(config_path),
+        "hardware": hw.key,
+        "architecture": arch.summary(tp),
+        "efficiencies": {k: v for k, v in dataclasses.asdict(eff).items() if k != "provenance"},
+        "efficiencies_source": eff.provenance.get("source", "given"),
+        "floors": floor_rows(profile, arch, hw, list(DEFAULT_FLOOR_PROMPTS), user_tokens),
+    }
+    return dataclasses.replace(profile, provenance=provenance)

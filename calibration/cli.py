@@ -1,0 +1,176 @@
+"""``bidikv calibrate`` and ``bidikv profile``: argparse only, no I/O at import.
+
+``register(subparsers)`` adds both subcommands to the caller's ``argparse`` subparsers (``impl.cli``
+lists this module); each sets ``run`` to a handler taking the parsed namespace and returning an exit
+code. ``main(argv)`` runs them standalone (``python -m calibration.cli calibrate``).
+
+* ``calibrate`` loads the shipped profiles (or refits them with ``--refit``, in memory) and prints per
+  model and figure: measured, simulated, relative error; the simulated column comes from the simulator
+  when ``sim.published`` is importable, otherwise from the closed form, and the output says which.
+  ``--json``: a list of records (model, prompt_tokens, metric, mode, measured_ms, simulated_ms,
+  rel_error, source). ``--plots DIR``: TTFT vs prompt length ON/OFF and the prefill split, per model,
+  PNG. ``--leave-one-out``: fit on one measured model, predict the other from its architecture.
+* ``profile`` builds a profile for a model nobody measured from its ``config.json``, the hardware and
+  the efficiencies fitted on the measured models, and prints it (JSON) with its physical floors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+TOLERANCE = 0.03
+
+
+def register(subparsers: Any) -> None:
+    cal = subparsers.add_parser(
+        "calibrate", help="published figures vs the profiles (simulated when the simulator is importable)",
+        description="Print, per measured model and published figure: measured, simulated and relative error.")
+    cal.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
+    cal.add_argument("--plots", metavar="DIR", help="write TTFT-vs-prompt and prefill-split PNGs per model to DIR")
+    cal.add_argument("--refit", action="store_true",
+                     help="fit the profiles from the published figures (in memory) instead of loading the shipped ones")
+    cal.add_argument("--source", choices=("auto", "sim", "closed-form"), default="auto",
+                     help="where the simulated column comes from (auto: the simulator if importable)")
+    cal.add_argument("--seed", type=int, default=0, help="simulator seed")
+    cal.add_argument("--leave-one-out", action="store_true",
+                     help="instead: fit on one measured model, predict the other's figures from its architecture")
+    cal.set_defaults(run=run_calibrate)
+
+    prof = subparsers.add_parser(
+        "profile", help="a latency profile for an unmeasured model from its config.json",
+        description="Build a latency profile from an HF-style config.json, the hardware and the efficiencies "
+                    "fitted on the measured models; prints JSON with the physical floors.")
+    prof.add_argument("--model-config", required=True, metavar="CONFIG_JSON")
+    prof.add_argument("--hardware", default="p5en", help="shipped hardware name or a JSON path (default p5en)")
+    prof.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks per instance")
+    prof.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
+    prof.add_argument("--block-size", type=int, help="KV block tokens (default: 16 GQA, 64 MLA)")
+    prof.add_argument("--efficiencies", help="efficiencies JSON (default: fitted on the measured models)")
+    prof.add_argument("--name", help="model name in the profile (default: the config file's stem)")
+    prof.add_argument("--output", "-o", help="write the profile JSON here instead of stdout")
+    prof.set_defaults(run=run_profile)
+
+
+# --- calibrate -----------------------------------------------------------------------------------
+
+def _profiles(refit: bool) -> dict[str, Any]:
+    from calibration.profile import LatencyProfile
+    from calibration.published import MEASURED
+
+    if refit:
+        from calibration.fit import run
+
+        return dict(run(write=False)["profiles"])
+    return {d.model: LatencyProfile.load(d.profile_name) for d in MEASURED}
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from calibration.published import load_published
+    from calibration.report import CLOSED_FORM, records, resolve_source, write_plots
+
+    try:
+        source = resolve_source(args.source, seed=args.seed)
+    except ValueError as exc:
+        print(f"bidikv calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.leave_one_out:
+        return _print_leave_one_out(args.json)
+    figures = load_published()
+    profiles = _profiles(args.refit)
+    try:
+        recs = records(profiles, figures, source)
+        plots = write_plots(profiles, figures, source, args.plots) if args.plots else []
+    except Exception as exc:  # noqa: BLE001 - the simulator failing is reported, never papered over
+        if source.kind == CLOSED_FORM:
+            raise
+        print(f"bidikv calibrate: error: the simulator failed: {type(exc).__name__}: {exc} "
+              "(--source closed-form gives the closed form instead)", file=sys.stderr)
+        return 1
+    print(f"source: {source.description}", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(recs, indent=2))
+    else:
+        _print_table(recs, profiles, refit=args.refit)
+    for path in plots:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _print_table(recs: list[dict[str, Any]], profiles: dict[str, Any], refit: bool) -> None:
+    print(f"profiles: {'refitted from the published figures' if refit else 'shipped (calibration/profiles/)'}")
+    for model, profile in profiles.items():
+        print(f"\n{model}  [{profile.name}]")
+        print(f"  {'prompt':>7} {'mode':4} {'metric':8} {'measured':>10} {'simulated':>10} {'error':>8}")
+        for r in (r for r in recs if r["model"] == model):
+            flag = "" if abs(r["rel_error"]) <= TOLERANCE else "  > 3 %"
+            print(f"  {r['prompt_tokens']:7d} {r['mode']:4} {r['metric']:8} {r['measured_ms']:8.1f}ms "
+                  f"{r['simulated_ms']:8.1f}ms {100 * r['rel_error']:+7.2f}%{flag}")
+        floors = profile.provenance.get("floors", [])
+        if floors:
+            print("  physical floors (prefill at peak FLOP/s, transfer at EFA line rate):")
+            for f in floors:
+                measured = (f"measured {f['measured_ms']:.0f} ms = {f['measured_over_floor']:.1f}x floor, "
+                            if "measured_ms" in f else "")
+                print(f"    {f['description']:38} floor {f['floor_ms']:7.1f} ms; {measured}"
+                      f"profile {f['profile_ms']:.0f} ms = {f['profile_over_floor']:.1f}x")
+    within = sum(abs(r["rel_error"]) <= TOLERANCE for r in recs)
+    print(f"\n{within} of {len(recs)} figures within 3 %")
+
+
+def _print_leave_one_out(as_json: bool) -> int:
+    from calibration.fit import leave_one_out
+
+    rows = leave_one_out()
+    print("source: closed form (calibration.fit.leave_one_out: predictions from the architecture and the "
+          "other model's fitted efficiencies)", file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"  trained on {r['trained_on']:10} -> {r['model']:10} {r['prompt_tokens']:6d} {r['mode']:3} "
+              f"{r['metric']:8} measured {r['measured_ms']:7.1f} ms predicted {r['predicted_ms']:8.1f} ms "
+              f"{100 * r['rel_error']:+7.1f} %")
+    return 0
+
+
+# --- profile -------------------------------------------------------------------------------------
+
+def run_profile(args: argparse.Namespace) -> int:
+    from calibration.architecture import ConfigError
+    from calibration.build import profile_from_architecture
+
+    try:
+        profile = profile_from_architecture(args.model_config, args.hardware, args.tp, args.efficiencies,
+                                            name=args.name, kv_cache_dtype=args.kv_cache_dtype,
+                                            block_size=args.block_size)
+    except (ConfigError, ValueError) as exc:
+        print(f"bidikv profile: error: {exc}", file=sys.stderr)
+        return 2
+    text = profile.to_json()
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    print(f"{profile.name}: physical floors (prefill at peak FLOP/s, transfer at EFA line rate):", file=sys.stderr)
+    for f in profile.provenance["floors"]:
+        print(f"  {f['description']:38} floor {f['floor_ms']:7.1f} ms; profile {f['profile_ms']:.0f} ms "
+              f"= {f['profile_over_floor']:.1f}x", file=sys.stderr)
+    print("  not measured: see calibration/README.md (leave-one-model-out) for how far to trust it", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bidikv", description="calibration commands")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

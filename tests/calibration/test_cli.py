@@ -1,0 +1,88 @@
+"""``bidikv calibrate`` / ``bidikv profile`` through argparse, as the top-level CLI registers them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from calibration import cli
+from calibration.report import CLOSED_FORM, resolve_source
+from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
+
+RECORD_KEYS = {"model", "prompt_tokens", "metric", "mode", "measured_ms", "simulated_ms", "rel_error", "source"}
+
+
+def test_import_does_no_io_and_loads_nothing_heavy():
+    code = ("import sys, calibration.cli; "
+            "assert not {'scipy', 'matplotlib', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_register_on_a_foreign_parser():
+    parser = argparse.ArgumentParser(prog="bidikv")
+    sub = parser.add_subparsers(dest="command")
+    cli.register(sub)
+    args = parser.parse_args(["profile", "--model-config", "c.json", "--tp", "4"])
+    assert args.run is cli.run_profile and args.hardware == "p5en"
+    assert parser.parse_args(["calibrate", "--json"]).run is cli.run_calibrate
+
+
+def test_calibrate_json_records(capsys):
+    assert cli.main(["calibrate", "--source", "closed-form", "--json"]) == 0
+    out = capsys.readouterr()
+    recs = json.loads(out.out)
+    assert len(recs) == 20 and all(set(r) == RECORD_KEYS for r in recs)
+    assert {r["source"] for r in recs} == {CLOSED_FORM}
+    assert "closed form" in out.err  # says which source it used
+    for r in recs:
+        assert r["rel_error"] == pytest.approx(r["simulated_ms"] / r["measured_ms"] - 1)
+
+
+def test_calibrate_table_says_closed_form_when_simulator_missing(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sim.published", None)  # importing it now raises ImportError
+    source = resolve_source("auto")
+    assert source.kind == CLOSED_FORM and "not importable" in source.description
+    assert cli.main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("source: closed form") and "not importable" in out
+    assert "figures within 3 %" in out and "physical floors" in out
+    assert cli.main(["calibrate", "--source", "sim"]) == 2
+
+
+def test_calibrate_plots(tmp_path, capsys):
+    assert cli.main(["calibrate", "--source", "closed-form", "--plots", str(tmp_path)]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(pngs) == 4 and all(p.endswith(("-ttft.png", "-prefill-split.png")) for p in pngs)
+    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_leave_one_out_json(capsys):
+    assert cli.main(["calibrate", "--leave-one-out", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 20 and {r["trained_on"] for r in rows} == {"Qwen3-32B", "GLM-5-FP8"}
+
+
+@pytest.mark.parametrize("config,tp,block", [(QWEN3_32B, 8, 16), (GLM5_FP8, 8, 64), (QWEN3_32B, 2, 16)])
+def test_profile_command(write_config, capsys, config, tp, block):
+    path = write_config(config)
+    assert cli.main(["profile", "--model-config", str(path), "--hardware", "p5en", "--tp", str(tp)]) == 0
+    out = capsys.readouterr()
+    profile = json.loads(out.out)
+    assert profile["tp"] == tp and profile["block_size"] == block
+    assert "physical floors" in out.err
+
+
+def test_profile_command_names_the_bad_field(write_config, capsys):
+    path = write_config({k: v for k, v in QWEN3_32B.items() if k != "num_key_value_heads"})
+    assert cli.main(["profile", "--model-config", str(path), "--tp", "8"]) == 2
+    assert "num_key_value_heads" in capsys.readouterr().err
+
+
+def test_profile_command_writes_file(write_config, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cli.main(["profile", "--model-config", str(write_config(QWEN3_32B)), "--tp", "8", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["kv_bytes_per_token"] == 262_144
