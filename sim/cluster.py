@@ -144,6 +144,7 @@ class Cluster:
         self._reject_unfinished(conversations)
         bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
         summary = summarize(self.records, bytes_per_block, {d.name: d.totals for d in self.decode}, end)
+        summary["prefill_utilisation"] = {p.name: (p.busy_s / end if end > 0 else 0.0) for p in self.prefill}
         summary["bytes_moved"] = self.interconnect.bytes_moved
         summary["transfers"] = self.interconnect.transfers
         return SimResult(self.records, summary, self.series, self.config)

@@ -111,7 +111,7 @@ def summarize(records: Sequence[TurnRecord], bytes_per_block: float, decode_tota
         "prefill": _dist(r.prefill_s for r in done),
         "reuse_hit_rate": (sum(1 for r in later if r.reused_tokens > 0) / len(later)) if later else math.nan,
         "miss_reasons": dict(sorted(misses.items())),
-        "tokens_reused": sum(r.reused_tokens for r in done),
+        "tokens_reused": sum(r.reused_tokens for r in done),  # = prompt tokens P did not recompute thanks to D
         "tokens_recomputed": sum(r.recomputed_tokens for r in done),
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "retained_hbm_gb_s": sum(t.retained_block_seconds for t in decode_totals.values()) * gb,

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     o = p.add_argument_group("objective")
     o.add_argument("--objective", default="ttft_p90", choices=("ttft_p50", "ttft_p90", "ttft_p99", "compute"),
                    help="what to minimise (default: %(default)s)")
-    o.add_argument("--max-retained-hbm-pct", type=float, default=10.0,
+    o.add_argument("--max-retained-hbm-pct", type=float, default=50.0,
                    help="budget: time-averaged retained KV as a %% of all decode HBM for KV (default: %(default)s)")
     o.add_argument("--tolerance-pct", type=float, default=1.0,
                    help="configurations within this %% of the best objective count as equal; the one pinning the "
