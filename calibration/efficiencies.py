@@ -25,6 +25,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from calibration import jsondata
+
 from calibration.hardware import DATA_DIR
 
 _FRACTIONS = ("gemm_mfu", "attention_mfu", "efa_efficiency", "hbm_efficiency", "gpu_memory_utilization")
@@ -63,25 +65,11 @@ class HardwareEfficiencies:
             raise ValueError("efficiencies: field decode_reference_batch must be >= 1")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        return jsondata.to_json(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "HardwareEfficiencies":
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: efficiencies must be a JSON object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"{source}: unknown efficiency field(s) {unknown}")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        missing = sorted(n for n in required if n not in data)
-        if missing:
-            raise ValueError(f"{source}: missing efficiency field(s) {missing}")
-        try:
-            return cls(**data)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: {exc}") from None
+        return jsondata.from_dict(cls, data, source, "efficiency")
 
 
 def efficiencies_path(hardware_name: str) -> pathlib.Path:

@@ -42,6 +42,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from calibration import jsondata
 from calibration.prefill import causal_pairs, windowed_pairs
 
 PROFILES_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
@@ -163,24 +164,11 @@ class LatencyProfile:
 
     # --- I/O -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        return jsondata.to_json(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "LatencyProfile":
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: a profile must be a JSON object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"{source}: unknown profile field(s) {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        if missing:
-            raise ValueError(f"{source}: missing profile field(s) {missing}")
-        try:
-            return cls(**data)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: {exc}") from None
+        return jsondata.from_dict(cls, data, source, "profile")
 
     @classmethod
     def load(cls, name_or_path: str) -> "LatencyProfile":

@@ -7,13 +7,12 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import sys
 from typing import Any
 
 from sim.config import PolicyConfig, SimConfig, TopologyConfig, load_config
-from sim.records import RECORD_FIELDS, TurnRecord
+from sim.records import RECORD_FIELDS
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig))
 _TOP_LEVEL = ("seed", "profile", "num_clients", "max_sim_time_s")

@@ -7,7 +7,7 @@ duration is measured on the simulator's clock, never predicted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
 PROMPT_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 32768)

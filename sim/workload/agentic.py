@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sim.workload.arrivals import start_times
+from sim.workload.arrivals import conversations
 from sim.workload.distributions import Constant, Distribution, LogNormal, UniformInt, sample_count
 from sim.workload.model import Conversation, Turn
 from sim.workload.spec import check_generator_fields
@@ -54,19 +54,8 @@ class AgenticConfig:
 def generate(config: AgenticConfig, rng_workload: random.Random, rng_gaps: random.Random) -> list[Conversation]:
     """The sessions of one run, in start order; same config and stream states, same list."""
     system_prompt = sample_count(config.system_prompt_tokens, rng_workload)
-    starts = start_times(config.num_conversations, config.arrival_rate_per_s,
-                         random.Random(rng_gaps.getrandbits(64)))
-    sessions = []
-    for index, start_s in enumerate(starts):
-        tokens_rng = random.Random(rng_workload.getrandbits(64))
-        gaps_rng = random.Random(rng_gaps.getrandbits(64))
-        sessions.append(Conversation(
-            conversation_id=f"agentic-{index:04d}",
-            start_s=start_s,
-            turns=_turns(config, system_prompt, tokens_rng, gaps_rng),
-            shared_prefix_tokens=system_prompt,
-        ))
-    return sessions
+    return conversations(config.num_conversations, config.arrival_rate_per_s, rng_workload, rng_gaps, "agentic",
+                         system_prompt, lambda tokens_rng, gaps_rng: _turns(config, system_prompt, tokens_rng, gaps_rng))
 
 
 def _turns(config: AgenticConfig, system_prompt: int, tokens_rng: random.Random,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sim.workload.arrivals import start_times
+from sim.workload.arrivals import conversations
 from sim.workload.distributions import Constant, Distribution, LogNormal, UniformInt, sample_count
 from sim.workload.model import Conversation, Turn
 from sim.workload.spec import check_generator_fields
@@ -58,19 +58,8 @@ def generate(config: SyntheticMultiTurnConfig, rng_workload: random.Random,
              rng_gaps: random.Random) -> list[Conversation]:
     """The conversations of one run, in start order; same config and stream states, same list."""
     common_prefix = sample_count(config.common_prefix_tokens, rng_workload)
-    starts = start_times(config.num_conversations, config.arrival_rate_per_s,
-                         random.Random(rng_gaps.getrandbits(64)))
-    conversations = []
-    for index, start_s in enumerate(starts):
-        tokens_rng = random.Random(rng_workload.getrandbits(64))
-        gaps_rng = random.Random(rng_gaps.getrandbits(64))
-        conversations.append(Conversation(
-            conversation_id=f"synthetic-{index:04d}",
-            start_s=start_s,
-            turns=_turns(config, common_prefix, tokens_rng, gaps_rng),
-            shared_prefix_tokens=common_prefix,
-        ))
-    return conversations
+    return conversations(config.num_conversations, config.arrival_rate_per_s, rng_workload, rng_gaps, "synthetic",
+                         common_prefix, lambda tokens_rng, gaps_rng: _turns(config, common_prefix, tokens_rng, gaps_rng))
 
 
 def _turns(config: SyntheticMultiTurnConfig, common_prefix: int, tokens_rng: random.Random,
