@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES = [
     "sim.cli",  # simulate
     "sim.tune.cli",  # tune
     "calibration.cli",  # calibrate, profile
+    "impl.router.cli",  # router
 ]
 
 

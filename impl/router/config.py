@@ -1,0 +1,177 @@
+"""Router settings: one dataclass, one source of defaults.
+
+Precedence: the dataclass defaults < a TOML file (``--config``; top-level keys or a ``[router]``
+table, named like the fields) < command-line flags. The CLI builds its flags from :data:`FLAG_HELP`
+and leaves every default to this dataclass, so nobody writes a default twice. Secrets never go in
+the file or on the command line: fields ending in ``_env`` name environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PLACEMENTS = ("round_robin", "least_loaded", "kv_aware")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...] = ()  # base URLs of prefill instances, e.g. http://10.0.0.1:8100
+    decode: tuple[str, ...] = ()  # base URLs of decode instances
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # API keys: a file of "<tenant> <key>" lines and/or an env var "tenant=key,tenant=key".
+    # With neither configured there is one tenant, "default", and no authentication.
+    api_keys_file: str | None = None
+    api_keys_env: str = "BIDIKV_API_KEYS"
+    metrics_token_env: str = "BIDIKV_METRICS_TOKEN"  # if that variable is set, /metrics needs it
+    upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
+    max_conversations: int = 100_000  # store bound (LRU beyond it)
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_conversation_id_len: int = 256
+    placement: str = "round_robin"
+    seed: int = 0  # placement tie-breaking
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 3.0  # a busy vLLM can answer /health late; that alone is not death
+    health_failures_to_down: int = 2  # consecutive failed probes before an instance leaves rotation
+    connect_timeout_s: float = 3.0
+    prefill_timeout_s: float = 600.0  # whole P request (a long prompt's prefill)
+    decode_idle_timeout_s: float = 300.0  # longest silence allowed between D's bytes
+    upstream_max_connections: int = 0  # per upstream instance; 0 = unbounded keep-alive pool
+    upstream_keepalive_s: float = 4.0  # below vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): never reuse a closed one
+    notify: bool = True  # ask D's connector to post its kv_transfer_params (vLLM 0.32 path)
+    notify_url: str | None = None  # URL D uses to reach /internal/kv_params; derived if unset
+    notify_wait_s: float = 2.0  # how long after D's stream ends to wait for that notification
+    decoder_kv_blocks_ttl_s: float = 480.0  # must equal D's decoder_kv_blocks_ttl
+    expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
+    rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
+    loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(normalize_base_url(u, "prefill") for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(normalize_base_url(u, "decode") for u in self.decode))
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.loop not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"loop must be auto, asyncio or uvloop, got {self.loop!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_conversations", "max_body_bytes", "max_conversation_id_len", "health_failures_to_down"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.upstream_max_connections < 0:
+            raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
+                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("notify_wait_s", "expiry_margin_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def require_upstreams(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one prefill instance is needed (--prefill URL or --prefiller-hosts/--prefiller-ports)")
+        if not self.decode:
+            raise ValueError("at least one decode instance is needed (--decode URL or --decoder-hosts/--decoder-ports)")
+
+
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(RouterConfig))
+
+# One line of help per field; the CLI turns each into --field-name.
+FLAG_HELP: dict[str, str] = {
+    "prefill": "prefill instance base URL(s)",
+    "decode": "decode instance base URL(s)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_keys_file": "file of '<tenant> <key>' lines; without keys there is one tenant 'default' and no auth",
+    "api_keys_env": "environment variable holding 'tenant=key,tenant=key'",
+    "metrics_token_env": "environment variable holding a token /metrics requires (unset: open)",
+    "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
+    "max_conversations": "conversation store bound (LRU eviction beyond it)",
+    "max_body_bytes": "largest request body accepted (413 beyond it)",
+    "max_conversation_id_len": "longest conversation_id accepted",
+    "placement": "how P and D instances are chosen",
+    "seed": "seed of placement tie-breaking",
+    "health_interval_s": "seconds between health probes of each upstream",
+    "health_timeout_s": "timeout of one health probe",
+    "health_failures_to_down": "consecutive failed probes before an instance is taken out (refused connections: at once)",
+    "connect_timeout_s": "timeout to connect to an upstream",
+    "prefill_timeout_s": "timeout of a whole prefill request",
+    "decode_idle_timeout_s": "longest silence allowed between bytes of D's response",
+    "upstream_max_connections": "connection pool bound per upstream (0: unbounded)",
+    "upstream_keepalive_s": "idle upstream connections are closed after this; keep it below vLLM's 5 s keep-alive",
+    "notify": "ask D's connector to post its kv_transfer_params to the router (vLLM 0.32 path)",
+    "notify_url": "URL decode instances use to reach this router's /internal/kv_params",
+    "notify_wait_s": "how long to wait for D's notification after its stream ended",
+    "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl (how long D keeps a turn's blocks)",
+    "expiry_margin_s": "do not offer blocks this close to their expiry",
+    "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
+    "loop": "event loop implementation",
+    "log_level": "logging level",
+}
+assert set(FLAG_HELP) == FIELD_NAMES, "every config field needs one line of help"
+
+
+def normalize_base_url(url: str, role: str) -> str:
+    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all mean the instance at ``http://h:p``."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{role} URL must start with http:// or https://, got {url!r}")
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def host_port_urls(hosts: list[str] | None, ports: list[int] | None, role: str) -> list[str]:
+    """vLLM's proxy flags (``--prefiller-hosts a b --prefiller-ports 1 2``) as base URLs."""
+    if not hosts and not ports:
+        return []
+    hosts = hosts or ["localhost"]
+    ports = ports or []
+    if len(hosts) == 1 and len(ports) > 1:
+        hosts = hosts * len(ports)  # one host, several ports
+    if len(hosts) != len(ports):
+        raise ValueError(f"{role}: {len(hosts)} host(s) but {len(ports)} port(s)")
+    return [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    table = data.get("router", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [router] must be a table")
+    unknown = sorted(set(table) - FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+    return dict(table)
+
+
+def build_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> RouterConfig:
+    """Defaults, then the file's values, then the overrides (flags given on the command line)."""
+    values: dict[str, Any] = {}
+    for source in (file_values or {}, overrides or {}):
+        for key, value in source.items():
+            if key not in FIELD_NAMES:
+                raise ValueError(f"unknown setting {key!r}")
+            values[key] = value
+    for key in ("prefill", "decode"):
+        if key in values:
+            value = values[key]
+            values[key] = (value,) if isinstance(value, str) else tuple(value)
+    return RouterConfig(**values)
+
+
+def replace(config: RouterConfig, **changes: Any) -> RouterConfig:
+    return dataclasses.replace(config, **changes)
+
+
+__all__ = ["FLAG_HELP", "PLACEMENTS", "RouterConfig", "build_config", "host_port_urls", "load_toml",
+           "normalize_base_url", "replace"]

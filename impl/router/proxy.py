@@ -1,0 +1,427 @@
+"""One turn through P and D: the flow of BRIEF.md, with its faults handled.
+
+1. Look the conversation up in impl.policy's store under the key's tenant, with the guard's prompt
+   view (see :mod:`impl.router.request`). A hit yields the previous turn's D params; a miss (unknown,
+   expired, guard, tenant, evicted -- or no conversation id, or a request shape that is never
+   reused) yields the fresh-turn params. Nothing is consumed by the lookup.
+2. P gets the request with ``max_tokens=1``, ``stream=false`` and those params
+   (``do_remote_decode=true``), exactly as vLLM's proxy sends it. P unreachable -> the next P;
+   P 5xx after being offered reuse -> retried without reuse (a failed pull under
+   ``kv_load_failure_policy: "fail"`` must not fail the turn); P 4xx -> the client's error, passed on.
+   No P -> 503.
+3. D gets the original request with P's returned params (plus the notify field of
+   :mod:`impl.router.notify`). D unreachable or 5xx before answering -> the next D, with the same P
+   params (any D can read P's blocks); no D -> 503/502, and P frees its blocks after its
+   ``kv_lease_duration`` since no D heartbeats them.
+4. D's answer goes to the client event by event while the router captures the answer and D's
+   params. D failing mid-stream, stalling beyond ``decode_idle_timeout_s`` or ending without
+   ``[DONE]`` -> an SSE error event (then ``[DONE]``), nothing stored.
+5. Only a complete turn is stored (:mod:`impl.router.recorder`), with D's params from the final
+   chunk or D's notification, the expiry on the router's clock, and the digest of the sequence D
+   now holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+
+from impl.policy import ConversationEntry, ConversationStore
+from impl.router.capture import TurnCapture
+from impl.router.config import RouterConfig
+from impl.router.metrics import RouterMetrics
+from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
+from impl.router.recorder import TurnRecorder
+from impl.router.request import TurnRequest
+from impl.router.sse import SSEError, SSESplitter, format_event
+from impl.router.upstreams import Upstream, UpstreamPool
+
+log = logging.getLogger("bidikv.router")
+
+FRESH_TURN_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
+_PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
+# A pooled keep-alive connection the upstream closed meanwhile (vLLM's uvicorn drops idle ones after
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) fails like this before any response: retried, the instance is fine.
+_STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+STALE_RETRIES = 2
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message, kind, status, param), headers=_JSON_HEADERS)
+
+
+class UpstreamFailure(Exception):
+    """No upstream could serve this step: 503 (none reachable), 502 (they failed), 504 (timed out)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, "service_unavailable" if self.status == 503 else "upstream_error")
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    upstream: Upstream
+    kv_params: dict[str, Any] | None
+
+
+class TurnProxy:
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, prefill: UpstreamPool, decode: UpstreamPool,
+                 store: ConversationStore, hub: NotifyHub, metrics: RouterMetrics, upstream_headers: dict[str, str],
+                 notify_url: Callable[[], str | None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.session = session
+        self.prefill = prefill
+        self.decode = decode
+        self.store = store
+        self.hub = hub
+        self.metrics = metrics
+        self.upstream_headers = upstream_headers
+        self.notify_url = notify_url
+        self.clock = clock
+        self.prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s)
+        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+                                                    sock_read=config.decode_idle_timeout_s)
+        # which P last prefilled a conversation (its prefix cache likely holds it): KV-aware placement input
+        self._affinity: collections.OrderedDict[tuple[str, str], tuple[str, int]] = collections.OrderedDict()
+        self.recorder = TurnRecorder(config, store, hub, metrics, clock)
+
+    # ------------------------------------------------------------------------------------------
+    async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
+        key = (tenant, turn.conversation_id) if turn.conversation_id is not None else None
+        offered = await self._lookup(turn, tenant, key)
+        request_id = uuid.uuid4().hex
+        headers = dict(self.upstream_headers)
+        headers["X-Request-Id"] = request_id
+
+        try:
+            prefill = await self._prefill(turn, offered, headers, key)
+        except UpstreamFailure as e:
+            return e.response()
+        except _PassThrough as e:
+            return e.response
+
+        storable = key is not None and turn.view is not None
+        d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
+        token = None
+        url = self.notify_url() if (storable and self.config.notify) else None
+        if url:
+            token = self.hub.open(request_id)
+            d_params[NOTIFY_KEY] = notify_field(url, request_id, token)
+        d_body = dict(turn.body)
+        if d_params:
+            d_body["kv_transfer_params"] = d_params
+        if turn.prompt_kind == "tokens" and storable:
+            d_body["return_token_ids"] = True
+        payload = json.dumps(d_body).encode()
+        handed_off = False
+        try:
+            if turn.stream:
+                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0)
+            else:
+                response, capture, upstream = await self._decode_json(turn, payload, headers)
+            if storable and capture is not None and upstream is not None:
+                handed_off = self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
+            return response
+        finally:
+            if token is not None and not handed_off:
+                self.hub.close(request_id)
+
+    # -- 1. lookup --------------------------------------------------------------------------------
+    async def _lookup(self, turn: TurnRequest, tenant: str, key: tuple[str, str] | None) -> ConversationEntry | None:
+        if key is None:
+            self.metrics.reuse_misses.inc("no_conversation_id")
+            return None
+        if turn.view is None:
+            self.metrics.reuse_misses.inc("unsupported")
+            return None
+        await self.recorder.wait_pending(key)  # the previous turn may still await D's notification
+        found = self.store.lookup(tenant, key[1], turn.view, self.clock())
+        if found.entry is None:
+            self.metrics.reuse_misses.inc(found.miss.value if found.miss else "unknown")
+            return None
+        self.metrics.reuse_hits.inc()
+        self.metrics.tokens_reused.inc(amount=found.entry.num_tokens)
+        return found.entry
+
+    # -- 2. prefill -------------------------------------------------------------------------------
+    async def _prefill(self, turn: TurnRequest, offered: ConversationEntry | None, headers: dict[str, str],
+                       key: tuple[str, str] | None) -> PrefillResult:
+        body = dict(turn.body)
+        for name in _PREFILL_DROP:
+            body.pop(name, None)
+        body["stream"] = False
+        body["max_tokens"] = 1
+        reuse = offered is not None
+        tried: set[str] = set()
+        stale_retries = STALE_RETRIES
+        last_failure = UpstreamFailure(503, "no prefill instance is available")
+        cached = None
+        if key is not None and key in self._affinity:
+            name, tokens = self._affinity[key]
+            cached = {name: tokens}
+        while True:
+            if reuse:
+                params = dict(offered.kv_params)
+                params["do_remote_decode"] = True
+                params["do_remote_prefill"] = False
+            else:
+                params = dict(FRESH_TURN_PARAMS)
+            body["kv_transfer_params"] = params
+            upstream = self.prefill.pick(turn.estimated_tokens, tried,
+                                         offered.num_tokens if reuse else 0, cached)
+            if upstream is None:
+                raise last_failure
+            tried.add(upstream.name)
+            payload = json.dumps(body).encode()
+            upstream.in_flight += 1
+            upstream.in_flight_tokens += turn.estimated_tokens
+            try:
+                async with self.session.post(upstream.url_for(turn.endpoint), data=payload, headers=headers,
+                                             timeout=self.prefill_timeout) as resp:
+                    status = resp.status
+                    raw = await resp.read()
+            except aiohttp.ClientConnectorError as e:
+                self.metrics.upstream_errors.inc(upstream.name, "prefill", "unreachable")
+                self.prefill.mark_down(upstream, type(e).__name__)
+                last_failure = UpstreamFailure(503, "no prefill instance is reachable")
+                continue
+            except _STALE_CONNECTION_ERRORS as e:
+                self.metrics.upstream_errors.inc(upstream.name, "prefill", "disconnected")
+                if stale_retries:
+                    stale_retries -= 1
+                    tried.discard(upstream.name)
+                else:
+                    self.prefill.mark_down(upstream, type(e).__name__)
+                last_failure = UpstreamFailure(502, "prefill instance disconnected")
+                continue
+            except asyncio.TimeoutError:
+                self.metrics.upstream_errors.inc(upstream.name, "prefill", "timeout")
+                last_failure = UpstreamFailure(504, "prefill timed out")
+                continue
+            except aiohttp.ClientError as e:
+                self.metrics.upstream_errors.inc(upstream.name, "prefill", "protocol")
+                last_failure = UpstreamFailure(502, f"prefill failed ({type(e).__name__})")
+                continue
+            finally:
+                upstream.in_flight -= 1
+                upstream.in_flight_tokens -= turn.estimated_tokens
+            if status == 200:
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    obj = None
+                if not isinstance(obj, dict):
+                    self.metrics.upstream_errors.inc(upstream.name, "prefill", "bad_body")
+                    last_failure = UpstreamFailure(502, "prefill returned an unreadable body")
+                    continue
+                kv = obj.get("kv_transfer_params")
+                if not isinstance(kv, dict) or not kv:
+                    kv = None  # P without a KV connector: D computes the prompt itself
+                elif self.config.rewrite_remote_host:
+                    kv = dict(kv)
+                    kv["remote_host"] = upstream.host
+                if key is not None:
+                    self._remember_affinity(key, upstream.name, turn.estimated_tokens)
+                return PrefillResult(upstream, kv)
+            if 400 <= status < 500 and status != 408:
+                raise _PassThrough(_passthrough_error(status, raw))
+            self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
+            last_failure = UpstreamFailure(502, f"prefill failed with HTTP {status}")
+            if reuse:
+                # maybe the pull failed (kv_load_failure_policy "fail"): same instance, no reuse
+                reuse = False
+                tried.discard(upstream.name)
+                self.metrics.reuse_misses.inc("prefill_error")
+
+    def _remember_affinity(self, key: tuple[str, str], name: str, tokens: int) -> None:
+        self._affinity[key] = (name, tokens)
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self.config.max_conversations:
+            self._affinity.popitem(last=False)
+
+    # -- 3./4. decode -----------------------------------------------------------------------------
+    async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Upstream]:
+        """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough."""
+        tried: set[str] = set()
+        stale_retries = STALE_RETRIES
+        last_failure = UpstreamFailure(503, "no decode instance is available")
+        while True:
+            upstream = self.decode.pick(turn.estimated_tokens, tried)
+            if upstream is None:
+                raise last_failure
+            tried.add(upstream.name)
+            try:
+                resp = await self.session.post(upstream.url_for(turn.endpoint), data=payload, headers=headers,
+                                               timeout=self.decode_timeout)
+            except aiohttp.ClientConnectorError as e:
+                self.metrics.upstream_errors.inc(upstream.name, "decode", "unreachable")
+                self.decode.mark_down(upstream, type(e).__name__)
+                last_failure = UpstreamFailure(503, "no decode instance is reachable")
+                continue
+            except _STALE_CONNECTION_ERRORS as e:
+                self.metrics.upstream_errors.inc(upstream.name, "decode", "disconnected")
+                if stale_retries:
+                    stale_retries -= 1
+                    tried.discard(upstream.name)
+                else:
+                    self.decode.mark_down(upstream, type(e).__name__)
+                last_failure = UpstreamFailure(502, "decode instance disconnected before answering")
+                continue
+            except asyncio.TimeoutError:
+                self.metrics.upstream_errors.inc(upstream.name, "decode", "timeout")
+                last_failure = UpstreamFailure(504, "decode timed out before answering")
+                continue
+            except aiohttp.ClientError as e:
+                self.metrics.upstream_errors.inc(upstream.name, "decode", "protocol")
+                last_failure = UpstreamFailure(502, f"decode failed ({type(e).__name__})")
+                continue
+            if resp.status == 200:
+                return resp, upstream
+            try:
+                raw = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                raw = b""
+            finally:
+                resp.release()
+            if 400 <= resp.status < 500 and resp.status != 408:
+                raise _PassThrough(_passthrough_error(resp.status, raw))
+            self.metrics.upstream_errors.inc(upstream.name, "decode", f"http_{resp.status}")
+            last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
+
+    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]
+                           ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+        try:
+            resp, upstream = await self._open_decode(turn, payload, headers)
+        except UpstreamFailure as e:
+            return e.response(), None, None
+        except _PassThrough as e:
+            return e.response, None, None
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "cut"
+            self.metrics.upstream_errors.inc(upstream.name, "decode", kind)
+            return error_response(502, "decode failed while answering", "upstream_error"), None, None
+        finally:
+            resp.release()
+        capture = TurnCapture(chat=turn.endpoint == "chat")
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            self.metrics.upstream_errors.inc(upstream.name, "decode", "bad_body")
+            return error_response(502, "decode returned an unreadable body", "upstream_error"), None, None
+        obj = capture.on_body(obj)
+        body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return web.Response(body=body, headers=_JSON_HEADERS), capture, upstream
+
+    async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
+                             t0: float) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+        try:
+            resp, upstream = await self._open_decode(turn, payload, headers)
+        except UpstreamFailure as e:
+            return e.response(), None, None
+        except _PassThrough as e:
+            return e.response, None, None
+        capture = TurnCapture(chat=turn.endpoint == "chat")
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                      "X-Request-Id": headers["X-Request-Id"]})
+        failure: str | None = None
+        first_token_seen = False
+        try:
+            await out.prepare(request)
+            splitter = SSESplitter()
+            try:
+                async for chunk in resp.content.iter_any():
+                    events = splitter.feed(chunk)
+                    if not events:
+                        continue
+                    parts = []
+                    for ev in events:
+                        if ev.data is None:
+                            parts.append(ev.raw)  # keep-alive comments reach the client as they came
+                            continue
+                        replacement = capture.on_event(ev.data)
+                        parts.append(ev.raw if replacement is None else format_event(replacement))
+                    if not first_token_seen and capture.events:
+                        first_token_seen = True
+                        self.metrics.ttft.observe(self.clock() - t0)
+                    await out.write(b"".join(parts) if len(parts) > 1 else parts[0])
+                for ev in splitter.flush():
+                    if ev.data is not None:
+                        replacement = capture.on_event(ev.data)
+                        await out.write(ev.raw if replacement is None else format_event(replacement))
+                if splitter.take_incomplete():
+                    failure = "cut"
+            except SSEError:
+                failure = "oversized_event"
+            except asyncio.TimeoutError:
+                failure = "timeout"
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                failure = "cut"
+            if failure is None and not capture.done:
+                failure = "no_done"
+            if failure is not None:
+                self.metrics.upstream_errors.inc(upstream.name, "decode", failure)
+                self.metrics.stream_errors.inc(failure)
+                message = {"cut": "decode instance failed mid-stream", "timeout": "decode instance stalled",
+                           "no_done": "decode stream ended without [DONE]",
+                           "oversized_event": "decode instance sent an oversized event"}[failure]
+                await out.write(format_event(error_body(message, "upstream_error", 502)) + format_event(b"[DONE]"))
+            await out.write_eof()
+            capture.finish()  # decode what was forwarded raw; the client already has its whole answer
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self.metrics.stream_errors.inc("client_gone")
+            return out, None, None  # the client left: D's request is aborted by closing it, nothing stored
+        finally:
+            if failure is None and capture.done:
+                resp.release()  # fully read: the connection goes back to the pool
+            else:
+                resp.close()  # unfinished: dropping the connection makes vLLM abort the request
+        return out, (capture if failure is None else None), upstream
+
+    async def close(self) -> None:
+        await self.recorder.close()
+
+
+class _PassThrough(Exception):
+    """An upstream 4xx that is the client's own error: answered as the upstream gave it."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _passthrough_error(status: int, raw: bytes) -> web.Response:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict) and len(raw) <= 64 * 1024:
+        return web.Response(status=status, body=raw, headers=_JSON_HEADERS)
+    return error_response(status, f"upstream rejected the request (HTTP {status})", "invalid_request_error")

@@ -1,0 +1,214 @@
+"""The client's request, parsed and validated: what the router needs before it touches an upstream.
+
+Validation errors become 400s that name the offending field; anything vLLM itself validates
+(sampling parameters, model name, lengths in tokens) is left to vLLM and its 4xx is passed back.
+
+The prompt view -- what the continuation guard compares -- depends on what the prompt is:
+
+* ``/v1/completions`` with ``prompt`` a list of ints: the token ids themselves. The router asks D for
+  ``return_token_ids`` so the held sequence is exactly prompt ids + generated ids (D's chunks then
+  carry vLLM's ``token_ids``/``prompt_token_ids`` extension fields, which OpenAI clients ignore).
+  The only view that is exact at the token level.
+* ``/v1/chat/completions``: one canonical string per message
+  (:func:`impl.policy.canonical_messages`); D holds the prompt messages + the assistant message
+  ``{"role": "assistant", "content": <answer>}``. A client that resends the answer with any other
+  keys, other content, or stripped text does not continue it and gets no reuse.
+* ``/v1/completions`` with a string ``prompt``: the string as code points
+  (:class:`impl.policy.text_prompt.TextPrompt`); D holds prompt + answer text.
+* Anything else (batched prompts, ``n``/``best_of`` > 1, beam search, ``echo``, ``suffix``,
+  ``continue_final_message``): served, never reused or stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from impl.policy import ItemsPrompt, PromptView, canonical_messages, sequence_digest
+from impl.policy.text_prompt import TextPrompt
+
+Endpoint = Literal["chat", "completion"]
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class RequestError(Exception):
+    """A client error: ``status`` and a message that names the field (never a stack trace)."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]  # what goes upstream (conversation_id removed)
+    conversation_id: str | None
+    stream: bool
+    view: PromptView | None  # None: this request is never reused nor stored
+    unsupported: str | None  # why view is None
+    prompt_kind: Literal["tokens", "chat", "text", "other"]
+    estimated_tokens: int
+
+    def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
+        """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
+        if self.prompt_kind == "chat":
+            items = list(self.view.items) + canonical_messages([{"role": "assistant", "content": answer}])
+            return len(items), sequence_digest(items)
+        if self.prompt_kind == "text":
+            return TextPrompt(self.body["prompt"] + answer).full_digest()
+        if self.prompt_kind == "tokens":
+            if output_token_ids is None or not all(_is_token_id(t) for t in output_token_ids):
+                return None
+            items = list(self.body["prompt"]) + list(output_token_ids)
+            return len(items), sequence_digest(items)
+        return None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise RequestError("body", "must be UTF-8 JSON") from None
+    except RecursionError:
+        raise RequestError("body", "JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or an integer beyond Python's digit limit
+        raise RequestError("body", f"invalid JSON ({type(e).__name__})") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    return body
+
+
+def _is_token_id(x: Any) -> bool:
+    return type(x) is int and 0 <= x <= MAX_TOKEN_ID
+
+
+def _check_encodable(value: str, field: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(field, "contains an unpaired surrogate (not valid Unicode text)") from None
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or value < minimum:
+        raise RequestError(name, f"must be an integer >= {minimum}")
+    return value
+
+
+def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id: str | None, max_id_len: int) -> TurnRequest:
+    conversation_id = _conversation_id(body.pop("conversation_id", None), header_conversation_id, max_id_len)
+    if "kv_transfer_params" in body:
+        raise RequestError("kv_transfer_params", "is set by the router; clients must not send it")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream", "must be a boolean")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model", "must be a string")
+    if isinstance(model, str):
+        _check_encodable(model, "model")
+    _optional_int(body, "max_tokens", 1)
+    _optional_int(body, "max_completion_tokens", 1)
+    n = _optional_int(body, "n", 1) or 1
+    best_of = _optional_int(body, "best_of", 1) or 1
+    for flag in ("echo", "use_beam_search", "continue_final_message"):
+        if flag in body and not isinstance(body[flag], bool):
+            raise RequestError(flag, "must be a boolean")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise RequestError("stream_options", "must be an object")
+
+    if endpoint == "chat":
+        kind, view, estimated = _chat_view(body)
+    else:
+        kind, view, estimated = _completion_view(body)
+
+    unsupported = None
+    if n > 1 or best_of > 1:
+        unsupported = "n or best_of > 1"
+    elif body.get("use_beam_search") or body.get("echo") or body.get("continue_final_message"):
+        unsupported = "beam search, echo or continue_final_message"
+    elif body.get("suffix") is not None:
+        unsupported = "suffix"
+    elif kind == "other":
+        unsupported = "batched prompt"
+    if unsupported is not None:
+        view, kind = None, "other"
+    return TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
+
+
+def _conversation_id(from_body: Any, from_header: str | None, max_len: int) -> str | None:
+    if from_body is not None and not isinstance(from_body, str):
+        raise RequestError("conversation_id", "must be a string")
+    if from_body is not None and from_header is not None and from_body != from_header:
+        raise RequestError("conversation_id", "body field and X-Conversation-Id header disagree")
+    cid = from_body if from_body is not None else from_header
+    if cid is None:
+        return None
+    if not cid or len(cid) > max_len:
+        raise RequestError("conversation_id", f"must be 1..{max_len} characters")
+    _check_encodable(cid, "conversation_id")
+    return cid
+
+
+def _chat_view(body: dict[str, Any]) -> tuple[str, PromptView | None, int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "must be a non-empty array of messages")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}]", "must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(f"messages[{i}].role", "must be a non-empty string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(f"messages[{i}].content", "must be a string, an array of parts or null")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise RequestError(f"messages[{i}].content[{j}]", "must be an object")
+                text = part.get("text")
+                if isinstance(text, str):
+                    chars += len(text)
+    try:
+        items = canonical_messages(messages)
+    except (TypeError, ValueError, RecursionError):  # values json cannot re-encode
+        raise RequestError("messages", "contains values that cannot be re-encoded as JSON") from None
+    for i, item in enumerate(items):
+        _check_encodable(item, f"messages[{i}]")
+    return "chat", ItemsPrompt(items), max(1, chars // 4)
+
+
+def _completion_view(body: dict[str, Any]) -> tuple[str, PromptView | None, int]:
+    if "prompt" not in body:
+        raise RequestError("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt", "must not be empty")
+        _check_encodable(prompt, "prompt")
+        return "text", TextPrompt(prompt), max(1, len(prompt) // 4)
+    if isinstance(prompt, list) and prompt:
+        if all(type(t) is int for t in prompt):
+            for i, t in enumerate(prompt):
+                if not _is_token_id(t):
+                    raise RequestError(f"prompt[{i}]", f"token ids must be integers in 0..{MAX_TOKEN_ID}")
+            return "tokens", ItemsPrompt(tuple(prompt)), len(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            for i, p in enumerate(prompt):
+                _check_encodable(p, f"prompt[{i}]")
+            return "other", None, max(1, sum(len(p) for p in prompt) // 4)
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return "other", None, sum(len(p) for p in prompt)
+    raise RequestError("prompt", "must be a string, an array of token ids, an array of strings or an array of token-id arrays")

@@ -1,0 +1,76 @@
+"""API keys -> tenants. Conversations are scoped to the tenant of the key that sent them.
+
+vLLM's example proxy has no tenants: anyone who knows a conversation id reuses its KV. Here the
+store key is ``(tenant, conversation_id)``, so the same id under another key is a different
+conversation (and the store reports the collision as a ``tenant`` miss).
+
+Sources, merged: a file of ``<tenant> <key>`` lines (``#`` comments, blank lines ignored) and an
+environment variable ``tenant=key,tenant=key``. A tenant may have several keys (rotation). With no
+key configured at all the router runs open with a single tenant, :data:`DEFAULT_TENANT`: fine for a
+single-user or already-authenticated deployment, and it keeps the behaviour of vLLM's proxy.
+
+Keys are kept only as SHA-256 digests and looked up by the digest of the presented key, so the
+lookup time does not depend on how much of a key matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+DEFAULT_TENANT = "default"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True)
+class Tenants:
+    by_key_digest: Mapping[bytes, str]
+
+    @property
+    def open(self) -> bool:
+        """True when no key is configured: every request is the default tenant."""
+        return not self.by_key_digest
+
+    def tenant_for(self, authorization: str | None) -> str | None:
+        """The tenant of an ``Authorization: Bearer <key>`` header, or None if it does not authenticate."""
+        if self.open:
+            return DEFAULT_TENANT
+        if not authorization:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        return self.by_key_digest.get(_digest(key.strip()))
+
+    @classmethod
+    def load(cls, path: str | None = None, env_var: str | None = None, environ: Mapping[str, str] | None = None) -> "Tenants":
+        pairs: list[tuple[str, str]] = []
+        if path:
+            with open(path, encoding="utf-8") as f:
+                for lineno, raw in enumerate(f, 1):
+                    line = raw.strip()
+                    if not line or line.startswith("#"):
+                        continue
+                    parts = line.split()
+                    if len(parts) != 2:
+                        raise ValueError(f"{path}:{lineno}: expected '<tenant> <key>'")
+                    pairs.append((parts[0], parts[1]))
+        environ = os.environ if environ is None else environ
+        value = environ.get(env_var, "") if env_var else ""
+        for i, item in enumerate(p for p in value.split(",") if p.strip()):
+            tenant, sep, key = item.strip().partition("=")
+            if not sep or not tenant or not key:
+                raise ValueError(f"{env_var}: item {i} must be 'tenant=key'")
+            pairs.append((tenant, key))
+        table: dict[bytes, str] = {}
+        for tenant, key in pairs:
+            d = _digest(key)
+            if table.get(d, tenant) != tenant:
+                raise ValueError(f"one API key is configured for two tenants ({table[d]!r} and {tenant!r})")
+            table[d] = tenant
+        return cls(table)

@@ -1,0 +1,32 @@
+"""TextPrompt: the continuation guard's view of a plain-string prompt (used by the router)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from impl.policy import ItemsPrompt, canonical_messages, continues, sequence_digest
+from impl.policy.text_prompt import TextPrompt
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(held=st.text(max_size=40), new=st.text(max_size=60))
+def test_text_prompt_continues_iff_prefix(held, new):
+    held_len, digest = TextPrompt(held).full_digest()
+    assert continues(TextPrompt(new), held_len, digest) == new.startswith(held)
+
+
+def test_text_digest_never_equals_a_chat_digest():
+    msg = canonical_messages([{"role": "user", "content": "hi"}])
+    text = msg[0]  # a text prompt that is literally a canonical message
+    held_len, digest = TextPrompt(text).full_digest()
+    assert digest != sequence_digest(msg)
+    assert not continues(ItemsPrompt(msg), 1, digest)
+
+
+def test_text_prompt_rejects_out_of_range_prefix():
+    with pytest.raises(ValueError):
+        TextPrompt("abc").prefix_digest(4)
+
+
