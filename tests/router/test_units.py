@@ -6,9 +6,8 @@ import argparse
 import asyncio
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
-from impl.policy import ItemsPrompt, canonical_messages, continues, sequence_digest
+from impl.policy import ItemsPrompt, continues
 from impl.router.cli import config_from_args, register
 from impl.router.config import RouterConfig, build_config, host_port_urls
 from impl.router.metrics import RouterMetrics
