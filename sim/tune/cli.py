@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         for path in plots(points, chosen, args.objective, pathlib.Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
-        print(json.dumps(as_json(points, chosen, args.objective), indent=2, sort_keys=True, default=str))
+        print(json.dumps(as_json(points, chosen, args.objective, config.profile), indent=2, sort_keys=True, default=str))
     else:
         print(table(points, chosen, args.objective))
         print()
-        print(recommendation_text(chosen))
+        print(recommendation_text(chosen, config.profile))
     return 0

@@ -32,8 +32,8 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
     return "\n".join(lines)
 
 
-def vllm_settings(point: Point) -> dict[str, Any]:
-    """``--kv-transfer-config`` for P and D, and the router settings, that realise ``point``."""
+def vllm_settings(point: Point, profile_name: str = "<profile name or path>") -> dict[str, Any]:
+    """``--kv-transfer-config`` for P and D (keys of impl.connector.config), and the router command."""
     pol = point.candidate.policy
     retention = pol.get("retention", "ttl")
     ours = retention != "ttl" or pol.get("recompute_policy") == "break_even"
@@ -41,7 +41,7 @@ def vllm_settings(point: Point) -> dict[str, Any]:
     d_extra: dict[str, Any] = {"bidirectional_kv_xfer": True}
     if pol.get("recompute_policy") == "break_even":
         p_extra["bidikv_recompute_policy"] = "break_even"
-        p_extra["bidikv_profile"] = "<profile name or path>"
+        p_extra["bidikv_cost_profile"] = profile_name
     else:
         p_extra["kv_recompute_threshold"] = pol.get("kv_recompute_threshold", 64)
     if retention == "ttl":
@@ -58,15 +58,21 @@ def vllm_settings(point: Point) -> dict[str, Any]:
     prefill = {**base, "kv_role": "kv_producer", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": p_extra}
     decode = {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": d_extra}
     router = ["bidikv", "router", "--prefill", "http://P:8000", "--decode", "http://D:8000"]
+    if retention == "ttl":
+        ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
+        router += ["--decoder-kv-blocks-ttl-s", "inf" if math.isinf(ttl) else f"{ttl:g}"]
+    out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode, "router_command": " ".join(router)}
     if retention == "lease":
-        router += ["--heartbeat-interval-s", str(pol["heartbeat_interval_s"])]
-    return {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode, "router_command": " ".join(router)}
+        out["caveat"] = ("the connector implements the lease (impl.connector scheduler renew()), but no transport yet "
+                         "carries client heartbeats from the router to D: until it does, a lease behaves as a "
+                         f"{pol['lease_s']:g} s TTL in deployment")
+    return out
 
 
-def recommendation_text(chosen: Point | None) -> str:
+def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>") -> str:
     if chosen is None:
         return "no configuration meets the HBM budget: raise --max-retained-hbm-pct or decode memory"
-    s = vllm_settings(chosen)
+    s = vllm_settings(chosen, profile_name)
     return "\n".join([
         f"recommended: {chosen.candidate.label}  ({chosen.compute_saving_pct_of_oracle:.1f} % of the oracle's compute "
         f"saving, {chosen.ttft_saving_pct_of_oracle:.1f} % of its TTFT saving, {chosen.hbm_vs_default:.2f}x the "
@@ -74,10 +80,12 @@ def recommendation_text(chosen: Point | None) -> str:
         f"  prefill: --kv-transfer-config '{json.dumps(s['prefill_kv_transfer_config'])}'",
         f"  decode:  --kv-transfer-config '{json.dumps(s['decode_kv_transfer_config'])}'",
         f"  router:  {s['router_command']}",
+        *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
     ])
 
 
-def as_json(points: Sequence[Point], chosen: Point | None, objective: str) -> dict[str, Any]:
+def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
+            profile_name: str = "<profile name or path>") -> dict[str, Any]:
     def row(p: Point) -> dict[str, Any]:
         m = {k: v for k, v in p.metrics.items() if k not in ("ttft_cdf_ms", "retained_series")}
         return {"label": p.candidate.label, "kind": p.candidate.kind, "policy": p.candidate.policy, **m,
@@ -87,7 +95,7 @@ def as_json(points: Sequence[Point], chosen: Point | None, objective: str) -> di
 
     return {"objective": objective, "points": [row(p) for p in points],
             "frontier": [p.candidate.label for p in points if p.on_frontier],
-            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen)}}
+            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen, profile_name)}}
 
 
 def plots(points: Sequence[Point], chosen: Point | None, objective: str, out: pathlib.Path) -> list[pathlib.Path]:
