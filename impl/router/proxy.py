@@ -88,6 +88,7 @@ class UpstreamFailure(Exception):
 class PrefillResult:
     upstream: Upstream
     kv_params: dict[str, Any] | None
+    cached_tokens: int | None = None  # P's usage.prompt_tokens_details.cached_tokens (local + pulled), if reported
 
 
 class TurnProxy:
@@ -139,12 +140,17 @@ class TurnProxy:
         if turn.prompt_kind == "tokens" and storable:
             d_body["return_token_ids"] = True
         payload = json.dumps(d_body).encode()
+        # what this turn got, for clients that measure (bidikv bench): names and counts, never KV locations
+        info = {"X-Bidikv-Prefill": prefill.upstream.name,
+                "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
+        if prefill.cached_tokens is not None:
+            info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
         handed_off = False
         try:
             if turn.stream:
-                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0)
+                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info)
             else:
-                response, capture, upstream = await self._decode_json(turn, payload, headers)
+                response, capture, upstream = await self._decode_json(turn, payload, headers, info)
             if storable and capture is not None and upstream is not None:
                 handed_off = self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
             return response
@@ -248,7 +254,7 @@ class TurnProxy:
                     kv["remote_host"] = upstream.host
                 if key is not None:
                     self._remember_affinity(key, upstream.name, turn.estimated_tokens)
-                return PrefillResult(upstream, kv)
+                return PrefillResult(upstream, kv, _cached_tokens(obj))
             if 400 <= status < 500 and status != 408:
                 raise _PassThrough(_passthrough_error(status, raw))
             self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
@@ -314,7 +320,7 @@ class TurnProxy:
             self.metrics.upstream_errors.inc(upstream.name, "decode", f"http_{resp.status}")
             last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
 
-    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]
+    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str], info: dict[str, str]
                            ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
             resp, upstream = await self._open_decode(turn, payload, headers)
@@ -338,10 +344,10 @@ class TurnProxy:
             return error_response(502, "decode returned an unreadable body", "upstream_error"), None, None
         obj = capture.on_body(obj)
         body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        return web.Response(body=body, headers=_JSON_HEADERS), capture, upstream
+        return web.Response(body=body, headers={**_JSON_HEADERS, **info, "X-Bidikv-Decode": upstream.name}), capture, upstream
 
     async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
-                             t0: float) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+                             t0: float, info: dict[str, str]) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
             resp, upstream = await self._open_decode(turn, payload, headers)
         except UpstreamFailure as e:
@@ -350,7 +356,8 @@ class TurnProxy:
             return e.response, None, None
         capture = TurnCapture(chat=turn.endpoint == "chat")
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                      "X-Request-Id": headers["X-Request-Id"]})
+                                                      "X-Request-Id": headers["X-Request-Id"], **info,
+                                                      "X-Bidikv-Decode": upstream.name})
         failure: str | None = None
         first_token_seen = False
         try:
@@ -425,3 +432,10 @@ def _passthrough_error(status: int, raw: bytes) -> web.Response:
     if isinstance(obj, dict) and len(raw) <= 64 * 1024:
         return web.Response(status=status, body=raw, headers=_JSON_HEADERS)
     return error_response(status, f"upstream rejected the request (HTTP {status})", "invalid_request_error")
+
+
+def _cached_tokens(body: dict[str, Any]) -> int | None:
+    usage = body.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

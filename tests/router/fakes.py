@@ -151,8 +151,12 @@ class FakeVllmUpstream:
             "remote_host": "localhost", "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 48,
             "remote_blocks_expiry_time": None, "transfer_mode": "pull",
         }
+        # vLLM with --enable-prompt-tokens-details reports the prompt tokens it did not compute
+        offered = (body.get("kv_transfer_params") or {}).get("remote_num_tokens") or 0
+        usage = {"prompt_tokens": 100, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": offered}}
         return web.json_response({"id": "cmpl-p", "object": "chat.completion" if chat else "text_completion",
-                                  "model": "fake-model", "choices": [choice], "kv_transfer_params": params})
+                                  "model": "fake-model", "choices": [choice], "kv_transfer_params": params,
+                                  "usage": usage})
 
     def _d_params(self, body: dict[str, Any]) -> dict[str, Any]:
         rid = f"d-{self.name}-{next(self._ids)}-{prompt_tag(body)}"

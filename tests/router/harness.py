@@ -53,6 +53,7 @@ class TurnResult:
     events: list[Any] = field(default_factory=list)  # parsed data payloads ([DONE] as the string)
     raw: bytes = b""
     body: Any = None  # non-streamed JSON body
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -157,12 +158,12 @@ class Deployment:
         async with self.client.post(self.url + path, data=data, headers=h) as resp:
             payload = await resp.read()
             if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return TurnResult(resp.status, parse_sse(payload), payload)
+                return TurnResult(resp.status, parse_sse(payload), payload, headers=dict(resp.headers))
             try:
                 obj = json.loads(payload) if payload else None
             except ValueError:
                 obj = payload
-            return TurnResult(resp.status, raw=payload, body=obj)
+            return TurnResult(resp.status, raw=payload, body=obj, headers=dict(resp.headers))
 
     async def chat(self, messages: list[dict[str, Any]], conversation_id: str | None = None, key: str | None = None,
                    stream: bool = True, **extra: Any) -> TurnResult:

@@ -197,3 +197,19 @@ async def test_models_health_metrics():
         assert "bidikv_router_ttft_seconds_count 1" in text
         assert 'bidikv_router_reuse_misses_total{reason="unknown"} 1' in text
         assert "bidikv_router_store_entries 1" in text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_turn_info_headers_say_where_it_ran_and_what_was_reused(stream):
+    async with Deployment(style="final_chunk") as dep:
+        history = [user("conv-H first")]
+        r1 = await dep.chat(history, conversation_id="conv-H", stream=stream)
+        assert r1.headers["X-Bidikv-Prefill"] == dep.prefills[0].url and r1.headers["X-Bidikv-Decode"] == dep.decodes[0].url
+        assert r1.headers["X-Bidikv-Reuse-Offered-Tokens"] == "0"
+        assert r1.headers["X-Bidikv-Prefill-Cached-Tokens"] == "0"
+        await dep.settle()
+        answer = r1.answer if stream else r1.body["choices"][0]["message"]["content"]
+        history += [assistant(answer), user("conv-H second")]
+        r2 = await dep.chat(history, conversation_id="conv-H", stream=stream)
+        assert r2.headers["X-Bidikv-Reuse-Offered-Tokens"] == "68"  # what D reported holding after turn 1
+        assert r2.headers["X-Bidikv-Prefill-Cached-Tokens"] == "68"  # what P says it did not compute
