@@ -17,6 +17,7 @@ code. ``main(argv)`` runs them standalone (``python -m calibration.cli calibrate
 from __future__ import annotations
 
 import argparse
+import pathlib
 import json
 import sys
 from typing import Any, Sequence
@@ -37,6 +38,11 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--seed", type=int, default=0, help="simulator seed")
     cal.add_argument("--leave-one-out", action="store_true",
                      help="instead: fit on one measured model, predict the other's figures from its architecture")
+    cal.add_argument("--from-bench", metavar="FILE",
+                     help="instead: fit a profile from a `bidikv bench` JSONL of your own cluster")
+    cal.add_argument("--base-profile", default="qwen3-32b@p5en-tp8",
+                     help="with --from-bench: the profile whose unmeasurable terms are kept (default: %(default)s)")
+    cal.add_argument("--output", "-o", metavar="PROFILE_JSON", help="with --from-bench: write the fitted profile here")
     cal.set_defaults(run=run_calibrate)
 
     prof = subparsers.add_parser(
@@ -67,7 +73,31 @@ def _profiles(refit: bool) -> dict[str, Any]:
     return {d.model: LatencyProfile.load(d.profile_name) for d in MEASURED}
 
 
+def run_from_bench(args: argparse.Namespace) -> int:
+    from calibration.from_bench import fit_from_bench
+    from calibration.profile import LatencyProfile
+    from impl.bench.records import read_jsonl
+
+    profile, report = fit_from_bench(read_jsonl(args.from_bench), LatencyProfile.load(args.base_profile))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(f"fitted from {report['turns']} turns ({report['turns_with_pull']} with a pull) of {args.from_bench}")
+        for term, value in report["terms"].items():
+            print(f"  {term:22} " + ("not identifiable from these turns" if value is None else f"{value:.6g} s"))
+        print(f"  TTFT fit: median |error| {report['rel_error_p50']:.1%}, max {report['rel_error_max']:.1%}")
+        print(f"  kept from {args.base_profile}: {', '.join(report['kept_from_base'])}")
+        if "note" in report:
+            print(f"  note: {report['note']}")
+    if args.output:
+        pathlib.Path(args.output).write_text(profile.to_json())
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
+    if args.from_bench:
+        return run_from_bench(args)
     from calibration.published import load_published
     from calibration.report import CLOSED_FORM, records, resolve_source, write_plots
 
