@@ -13,6 +13,7 @@ SUBCOMMAND_MODULES = [
     "sim.tune.cli",  # tune
     "calibration.cli",  # calibrate, profile
     "impl.router.cli",  # router
+    "impl.bench.cli",  # bench
 ]
 
 

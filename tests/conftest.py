@@ -1,5 +1,5 @@
-"""Runs ``async def`` tests in a fresh event loop each (pytest-asyncio is not installed), bounded in
-time. Hypothesis tests, which are synchronous, drive a harness.LoopThread instead."""
+"""Runs ``async def`` tests (router, bench) in a fresh event loop each, bounded in time, without a plugin.
+Hypothesis tests, which are synchronous, drive tests.router.harness.LoopThread instead."""
 
 from __future__ import annotations
 

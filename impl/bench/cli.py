@@ -1,0 +1,87 @@
+"""``bidikv bench``: flags, workload loading, the summary table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+from typing import Any, Sequence
+
+from impl.bench.records import BenchRecord
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="multi-turn benchmark against a router URL; per-turn JSONL",
+                              description="Run the simulator's workloads against a real deployment (through "
+                                          "bidikv router) and record per turn: prompt tokens, TTFT, total time, "
+                                          "reused tokens. The JSONL is what `bidikv calibrate --from-bench` reads.")
+    p.add_argument("--url", required=True, help="router (or OpenAI-compatible server) base URL")
+    p.add_argument("--mode", required=True, choices=("on", "off"), help="what the deployment runs (bidirectional ON/OFF)")
+    p.add_argument("--out", default=None, help="per-turn JSONL output file")
+    p.add_argument("--config", default=None, help="TOML file whose [workload] table and seed are used")
+    p.add_argument("--workload", dest="workload_kind", default=None, choices=("synthetic", "agentic", "mooncake"))
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (implies --workload mooncake)")
+    p.add_argument("--conversations", type=int, default=None, help="number of conversations (synthetic/agentic)")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (default: the config's, else 0)")
+    p.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
+    p.add_argument("--concurrency", type=int, default=2, help="clients, one conversation each at a time (default: 2)")
+    p.add_argument("--max-rate", type=float, default=0.0, help="turn starts per second, all clients (default: unlimited)")
+    p.add_argument("--gap-scale", type=float, default=0.0,
+                   help="think time = workload gap x this (default: 0, back to back like vLLM's benchmark)")
+    p.add_argument("--max-model-len", type=int, default=0, help="stop conversations before this (default: from /v1/models)")
+    p.add_argument("--api-key-env", default="BIDIKV_API_KEY", help="environment variable holding the API key")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from impl.bench.client import BenchConfig, run_bench
+    from impl.bench.records import write_jsonl
+    from sim.config import load_config
+    from sim.workload import load_workload
+
+    base = load_config(args.config)
+    workload = dict(base.workload)
+    if args.trace:
+        workload = {"kind": "mooncake", "path": args.trace}
+    elif args.workload_kind and args.workload_kind != workload.get("kind"):
+        workload = {"kind": args.workload_kind}
+    if args.conversations is not None:
+        workload["num_conversations"] = args.conversations
+    seed = base.seed if args.seed is None else args.seed
+    conversations = load_workload(workload, seed)
+    config = BenchConfig(url=args.url, mode=args.mode, model=args.model, concurrency=args.concurrency,
+                         max_rate_per_s=args.max_rate, gap_scale=args.gap_scale, max_model_len=args.max_model_len,
+                         seed=seed, api_key=os.environ.get(args.api_key_env))
+    records = asyncio.run(run_bench(config, conversations))
+    if args.out:
+        write_jsonl(records, args.out)
+    print(summary_table(records))
+    return 0 if records and all(r.ok for r in records) else 1
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    from sim.records import percentile
+
+    return percentile(sorted(values), q)
+
+
+def summary_table(records: Sequence[BenchRecord]) -> str:
+    from sim.records import bucket_label
+
+    ok = [r for r in records if r.ok and not math.isnan(r.ttft_s)]
+    lines = [f"{len(records)} turns, {len(records) - len(ok)} failed; TTFT (ms) by prompt length",
+             f"{'prompt':>9}{'turns':>7}{'p50':>9}{'p90':>9}{'reused (P-reported) / prompt':>31}"]
+    buckets: dict[str, list[BenchRecord]] = {}
+    for r in ok:
+        buckets.setdefault(bucket_label(r.prompt_tokens), []).append(r)
+    for label, rs in buckets.items():
+        cached = sum(r.prefill_cached_tokens or 0 for r in rs)
+        lines.append(f"{label:>9}{len(rs):>7}{_pct([r.ttft_s for r in rs], 50) * 1e3:>9.1f}"
+                     f"{_pct([r.ttft_s for r in rs], 90) * 1e3:>9.1f}{cached / sum(r.prompt_tokens for r in rs):>31.1%}")
+    errors = sorted({r.error for r in records if r.error})
+    if errors:
+        lines.append("errors: " + "; ".join(errors[:5]))
+    return "\n".join(lines)
+
+

@@ -1,0 +1,167 @@
+"""The benchmark client: conversations from sim.workload, sent as token-id prompts, timed per turn.
+
+Token-id prompts (``/v1/completions`` with ``prompt: [ids]``) make prompt lengths exact without a
+tokenizer, and make the router's continuation guard exact. Each turn appends the workload's new user
+tokens to the conversation's history (previous prompt + the ids the server generated), asks for
+exactly the workload's output length (``ignore_eos``), streams, and records TTFT, total time and what
+the router reports it reused. A pool of ``concurrency`` clients runs conversations one at a time,
+like vLLM's multi-turn benchmark (``--num-clients``); ``gap_scale`` stretches or removes think time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import aiohttp
+
+from impl.bench.records import BenchRecord
+from sim.workload.model import Conversation
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    mode: str  # what the deployment runs: "on" or "off"
+    model: str | None = None  # default: the first model /v1/models lists
+    concurrency: int = 2
+    max_rate_per_s: float = 0.0  # turn starts per second over all clients; 0 = unlimited
+    gap_scale: float = 0.0  # think time = workload gap x this (0: back to back, as vLLM's benchmark)
+    max_model_len: int = 0  # 0: from /v1/models; conversations stop before exceeding it
+    token_id_low: int = 100  # synthetic prompt ids are drawn from [low, high): valid in any real vocab
+    token_id_high: int = 1000
+    seed: int = 0
+    timeout_s: float = 300.0
+    api_key: str | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("on", "off"):
+            raise ValueError(f"mode must be 'on' or 'off', got {self.mode!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.max_rate_per_s < 0 or self.gap_scale < 0 or self.timeout_s <= 0:
+            raise ValueError("max_rate_per_s and gap_scale must be >= 0, timeout_s > 0")
+        if not 0 <= self.token_id_low < self.token_id_high:
+            raise ValueError("need 0 <= token_id_low < token_id_high")
+
+
+class _RateLimit:
+    """Spaces turn starts at least 1/rate apart across all clients."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self._next = 0.0
+        self._lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        async with self._lock:
+            now = time.monotonic()
+            delay = self._next - now
+            self._next = max(now, self._next) + self.interval
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def _model_info(session: aiohttp.ClientSession, config: BenchConfig) -> tuple[str, int]:
+    async with session.get(config.url.rstrip("/") + "/v1/models") as resp:
+        if resp.status != 200:
+            raise ValueError(f"{config.url}/v1/models answered HTTP {resp.status}")
+        data = await resp.json()
+    models = data.get("data") or []
+    if not models:
+        raise ValueError(f"{config.url}/v1/models lists no model")
+    entry = next((m for m in models if m.get("id") == config.model), models[0]) if config.model else models[0]
+    return config.model or entry["id"], config.max_model_len or int(entry.get("max_model_len") or 1 << 30)
+
+
+async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str, conversation_id: str,
+                prompt: list[int], max_tokens: int) -> tuple[float, float, list[int], dict[str, str], str]:
+    """One streamed completion: (ttft_s, total_s, generated ids, response headers, error)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0.0,
+            "conversation_id": conversation_id, **config.extra_body}
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    start = time.perf_counter()
+    ttft = float("nan")
+    generated: list[int] = []
+    try:
+        async with session.post(config.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return ttft, time.perf_counter() - start, generated, dict(resp.headers), f"HTTP {resp.status}: {text}"
+            buffer = b""
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            return ttft, time.perf_counter() - start, generated, dict(resp.headers), str(obj["error"])[:200]
+                        for choice in obj.get("choices") or []:
+                            ids = choice.get("token_ids") or []
+                            if (ids or choice.get("text")) and ttft != ttft:
+                                ttft = time.perf_counter() - start
+                            generated.extend(ids)
+            return ttft, time.perf_counter() - start, generated, dict(resp.headers), ""
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        return ttft, time.perf_counter() - start, generated, {}, f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) -> list[BenchRecord]:
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+    records: list[BenchRecord] = []
+    queue = list(conversations)
+    queue.reverse()
+    limit = _RateLimit(config.max_rate_per_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        model, max_len = await _model_info(session, config)
+        t0 = time.perf_counter()
+
+        async def client() -> None:
+            while queue:
+                conv = queue.pop()
+                rng = random.Random(f"{config.seed}:bench:{conv.conversation_id}")
+                history: list[int] = []
+                revision = 0
+                for index, turn in enumerate(conv.turns):
+                    if index and turn.gap_before_s * config.gap_scale > 0:
+                        await asyncio.sleep(turn.gap_before_s * config.gap_scale)
+                    if turn.history_revision != revision and history:
+                        revision = turn.history_revision  # the client rewrites its history: alter one old id
+                        history[len(history) // 2] = config.token_id_low + (history[len(history) // 2] + 1 - config.token_id_low) % (config.token_id_high - config.token_id_low)
+                    new_tokens = max(turn.prompt_tokens - len(history), 1)
+                    prompt = history + [rng.randrange(config.token_id_low, config.token_id_high) for _ in range(new_tokens)]
+                    if len(prompt) + turn.output_tokens > max_len:
+                        break  # the conversation outgrew the model's context
+                    await limit.wait()
+                    start = time.perf_counter() - t0
+                    ttft, total, generated, headers, error = await _turn(session, config, model, conv.conversation_id,
+                                                                         prompt, turn.output_tokens)
+                    cached = headers.get("X-Bidikv-Prefill-Cached-Tokens")
+                    records.append(BenchRecord(
+                        conversation=conv.conversation_id, turn=index, mode=config.mode, prompt_tokens=len(prompt),
+                        output_tokens=len(generated), start_s=start, ttft_s=ttft, total_s=total,
+                        reuse_offered_tokens=int(headers.get("X-Bidikv-Reuse-Offered-Tokens", 0)),
+                        prefill_cached_tokens=int(cached) if cached is not None else None,
+                        prefill_instance=headers.get("X-Bidikv-Prefill", ""),
+                        decode_instance=headers.get("X-Bidikv-Decode", ""), error=error))
+                    if error:
+                        break  # a failed turn has no answer to continue from
+                    history = prompt + generated
+
+        await asyncio.gather(*(client() for _ in range(config.concurrency)))
+    records.sort(key=lambda r: (r.start_s, r.conversation, r.turn))
+    return records

@@ -1,0 +1,90 @@
+"""The per-turn record of a benchmark run, as JSON lines; the reader validates every line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+FORMAT = "bidikv-bench/1"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRecord:
+    conversation: str
+    turn: int
+    mode: str  # "on" | "off": what the deployment under test runs (bidirectional_kv_xfer)
+    prompt_tokens: int
+    output_tokens: int  # generated, as the server reported
+    start_s: float  # since the run started
+    ttft_s: float
+    total_s: float
+    reuse_offered_tokens: int  # router: tokens of D's KV offered to P (X-Bidikv-Reuse-Offered-Tokens)
+    prefill_cached_tokens: int | None  # P: prompt tokens it did not compute (X-Bidikv-Prefill-Cached-Tokens)
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    error: str = ""
+    format: str = FORMAT
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def write_jsonl(records: Iterable[BenchRecord], path: str) -> None:
+    with open(path, "w") as fh:
+        for r in records:
+            fh.write(json.dumps(dataclasses.asdict(r), sort_keys=True) + "\n")
+
+
+_INT_FIELDS = ("turn", "prompt_tokens", "output_tokens", "reuse_offered_tokens")
+_FLOAT_FIELDS = ("start_s", "ttft_s", "total_s")
+
+
+def read_jsonl(path: str) -> list[BenchRecord]:
+    """Records of a bench file; a bad line is an error naming the line and the field."""
+    names = {f.name for f in dataclasses.fields(BenchRecord)}
+    out = []
+    try:
+        fh = open(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}") from None
+    with fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected an object")
+            if obj.get("format") != FORMAT:
+                raise ValueError(f"{where}: field format must be {FORMAT!r}, got {obj.get('format')!r}")
+            unknown = sorted(set(obj) - names)
+            if unknown:
+                raise ValueError(f"{where}: unknown field(s) {unknown}")
+            for name in _INT_FIELDS:
+                v = obj.get(name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{where}: field {name} must be an integer >= 0, got {v!r}")
+            for name in _FLOAT_FIELDS:
+                v = obj.get(name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or (math.isnan(v) if isinstance(v, float) else False):
+                    raise ValueError(f"{where}: field {name} must be a number, got {v!r}")
+            cached = obj.get("prefill_cached_tokens")
+            if cached is not None and (isinstance(cached, bool) or not isinstance(cached, int) or cached < 0):
+                raise ValueError(f"{where}: field prefill_cached_tokens must be an integer >= 0 or null, got {cached!r}")
+            if obj.get("mode") not in ("on", "off"):
+                raise ValueError(f"{where}: field mode must be 'on' or 'off', got {obj.get('mode')!r}")
+            for name in ("conversation", "prefill_instance", "decode_instance", "error"):
+                if not isinstance(obj.get(name, ""), str):
+                    raise ValueError(f"{where}: field {name} must be a string")
+            try:
+                out.append(BenchRecord(**obj))
+            except TypeError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+    return out
