@@ -63,9 +63,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    config = load_config(args.config, overrides_from_args(args))
-    workload = dict(config.workload)
+def workload_from_args(base: dict, args: argparse.Namespace) -> dict:
+    """The config's [workload] table with --trace, --workload and --conversations applied."""
+    workload = dict(base)
     if args.trace:
         workload = {"kind": "mooncake", "path": args.trace}
     elif args.workload_kind and args.workload_kind != workload.get("kind"):
@@ -74,7 +74,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         if workload.get("kind", "synthetic") == "mooncake":
             raise ValueError("--conversations does not apply to a trace (its conversations are fixed)")
         workload["num_conversations"] = args.conversations
-    config.workload = workload
+    return workload
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    config = load_config(args.config, overrides_from_args(args))
+    config.workload = workload_from_args(config.workload, args)
     return config
 
 

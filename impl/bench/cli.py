@@ -37,17 +37,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from impl.bench.client import BenchConfig, run_bench
     from impl.bench.records import write_jsonl
+    from sim.cli import workload_from_args
     from sim.config import load_config
     from sim.workload import load_workload
 
     base = load_config(args.config)
-    workload = dict(base.workload)
-    if args.trace:
-        workload = {"kind": "mooncake", "path": args.trace}
-    elif args.workload_kind and args.workload_kind != workload.get("kind"):
-        workload = {"kind": args.workload_kind}
-    if args.conversations is not None:
-        workload["num_conversations"] = args.conversations
+    workload = workload_from_args(base.workload, args)
     seed = base.seed if args.seed is None else args.seed
     conversations = load_workload(workload, seed)
     config = BenchConfig(url=args.url, mode=args.mode, model=args.model, concurrency=args.concurrency,

@@ -212,27 +212,11 @@ class TurnProxy:
                                              timeout=self.prefill_timeout) as resp:
                     status = resp.status
                     raw = await resp.read()
-            except aiohttp.ClientConnectorError as e:
-                self.metrics.upstream_errors.inc(upstream.name, "prefill", "unreachable")
-                self.prefill.mark_down(upstream, type(e).__name__)
-                last_failure = UpstreamFailure(503, "no prefill instance is reachable")
-                continue
-            except _STALE_CONNECTION_ERRORS as e:
-                self.metrics.upstream_errors.inc(upstream.name, "prefill", "disconnected")
-                if stale_retries:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last_failure, retry_same = self._connection_failure("prefill", self.prefill, upstream, e, stale_retries)
+                if retry_same:
                     stale_retries -= 1
                     tried.discard(upstream.name)
-                else:
-                    self.prefill.mark_down(upstream, type(e).__name__)
-                last_failure = UpstreamFailure(502, "prefill instance disconnected")
-                continue
-            except asyncio.TimeoutError:
-                self.metrics.upstream_errors.inc(upstream.name, "prefill", "timeout")
-                last_failure = UpstreamFailure(504, "prefill timed out")
-                continue
-            except aiohttp.ClientError as e:
-                self.metrics.upstream_errors.inc(upstream.name, "prefill", "protocol")
-                last_failure = UpstreamFailure(502, f"prefill failed ({type(e).__name__})")
                 continue
             finally:
                 upstream.in_flight -= 1
@@ -271,6 +255,27 @@ class TurnProxy:
         while len(self._affinity) > self.config.max_conversations:
             self._affinity.popitem(last=False)
 
+    def _connection_failure(self, role: str, pool: UpstreamPool, upstream: Upstream, exc: BaseException,
+                            stale_retries: int) -> tuple[UpstreamFailure, bool]:
+        """Classify a failed request to ``upstream`` before any answer: the failure to report if no
+        other instance serves, and whether to retry the same instance (a keep-alive connection the
+        server had already closed, up to ``STALE_RETRIES`` times)."""
+        when = " before answering" if role == "decode" else ""  # D's answer is streamed: say it had not begun
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            self.metrics.upstream_errors.inc(upstream.name, role, "unreachable")
+            pool.mark_down(upstream, type(exc).__name__)
+            return UpstreamFailure(503, f"no {role} instance is reachable"), False
+        if isinstance(exc, _STALE_CONNECTION_ERRORS):
+            self.metrics.upstream_errors.inc(upstream.name, role, "disconnected")
+            if not stale_retries:
+                pool.mark_down(upstream, type(exc).__name__)
+            return UpstreamFailure(502, f"{role} instance disconnected{when}"), bool(stale_retries)
+        if isinstance(exc, asyncio.TimeoutError):
+            self.metrics.upstream_errors.inc(upstream.name, role, "timeout")
+            return UpstreamFailure(504, f"{role} timed out{when}"), False
+        self.metrics.upstream_errors.inc(upstream.name, role, "protocol")
+        return UpstreamFailure(502, f"{role} failed ({type(exc).__name__})"), False
+
     # -- 3./4. decode -----------------------------------------------------------------------------
     async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Upstream]:
         """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough."""
@@ -285,27 +290,11 @@ class TurnProxy:
             try:
                 resp = await self.session.post(upstream.url_for(turn.endpoint), data=payload, headers=headers,
                                                timeout=self.decode_timeout)
-            except aiohttp.ClientConnectorError as e:
-                self.metrics.upstream_errors.inc(upstream.name, "decode", "unreachable")
-                self.decode.mark_down(upstream, type(e).__name__)
-                last_failure = UpstreamFailure(503, "no decode instance is reachable")
-                continue
-            except _STALE_CONNECTION_ERRORS as e:
-                self.metrics.upstream_errors.inc(upstream.name, "decode", "disconnected")
-                if stale_retries:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last_failure, retry_same = self._connection_failure("decode", self.decode, upstream, e, stale_retries)
+                if retry_same:
                     stale_retries -= 1
                     tried.discard(upstream.name)
-                else:
-                    self.decode.mark_down(upstream, type(e).__name__)
-                last_failure = UpstreamFailure(502, "decode instance disconnected before answering")
-                continue
-            except asyncio.TimeoutError:
-                self.metrics.upstream_errors.inc(upstream.name, "decode", "timeout")
-                last_failure = UpstreamFailure(504, "decode timed out before answering")
-                continue
-            except aiohttp.ClientError as e:
-                self.metrics.upstream_errors.inc(upstream.name, "decode", "protocol")
-                last_failure = UpstreamFailure(502, f"decode failed ({type(e).__name__})")
                 continue
             if resp.status == 200:
                 return resp, upstream
