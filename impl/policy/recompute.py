@@ -65,6 +65,22 @@ class PullCandidate:
         """vLLM's ``count``; negative means the local cache covers more than the peer holds."""
         return min(self.remote_num_tokens, self.prompt_tokens) - self.aligned_local_hit
 
+    def peer_block_span(self, tokens: int) -> tuple[int, int]:
+        """``(first, stop)``: indices of the peer's blocks that hold the ``tokens`` pulled after the local hit.
+
+        The reader fills positions ``aligned_local_hit .. aligned_local_hit + tokens`` of its prompt,
+        and the peer's block ``i`` holds positions ``i*block_size .. (i+1)*block_size``, counted from
+        the start of the peer's sequence. So the peer's blocks ``first .. stop`` are the ones to read,
+        and blocks from ``stop`` on are never read -- in particular not the peer's *last* blocks when
+        the prompt is shorter than what the peer holds (they hold later positions).
+        """
+        if tokens < 0 or self.aligned_local_hit + tokens > min(self.remote_num_tokens, self.prompt_tokens):
+            raise ValueError(f"cannot pull {tokens} tokens after a local hit of {self.aligned_local_hit} "
+                             f"(peer holds {self.remote_num_tokens}, prompt has {self.prompt_tokens})")
+        first = self.aligned_local_hit // self.block_size
+        stop = -(-(self.aligned_local_hit + tokens) // self.block_size)
+        return first, stop
+
 
 @dataclass(frozen=True, slots=True)
 class RecomputeDecision:

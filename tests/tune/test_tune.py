@@ -120,3 +120,14 @@ def test_ray_executor_gives_the_same_results_on_a_local_cluster():
         assert run_points(cfg, overrides, executor="ray", progress=False) == run_points(cfg, overrides, executor="serial", progress=False)
     finally:
         ray.shutdown()
+
+
+def test_recommended_settings_use_keys_the_connector_accepts():
+    from impl.connector.config import ConnectorSettings
+
+    for policy in ({"retention": "ttl", "decoder_kv_blocks_ttl": 120.0, "kv_recompute_threshold": 256},
+                   {"retention": "lease", "lease_s": 30.0, "heartbeat_interval_s": 10.0},
+                   {"retention": "gap_quantile", "gap_quantile": 0.9, "recompute_policy": "break_even"}):
+        s = vllm_settings(analyse_one(policy), "qwen3-32b@p5en-tp8")
+        for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
+            ConnectorSettings.from_extra_config(s[side]["kv_connector_extra_config"])  # raises, naming the key, on drift

@@ -1,0 +1,348 @@
+"""Scheduler side: the decisions, taken from impl.policy, on top of vLLM's pull scheduler.
+
+Runs in vLLM's engine-core process, on the scheduler thread; no NIXL here (the worker side moves
+the bytes). What changes relative to vLLM 0.32's ``NixlPullConnectorScheduler``:
+
+* **Pull or recompute, on both paths** (``get_num_new_matched_tokens``). The reader builds an
+  :class:`impl.policy.PullCandidate` -- prompt tokens, tokens the peer holds, its own block-aligned
+  prefix-cache hit, block size, :class:`impl.policy.TransferPath` -- and asks the configured
+  :class:`impl.policy.RecomputePolicy`. D->P (a later turn: P reads what D kept) as upstream, but
+  through the policy, only when ``bidirectional_kv_xfer`` is on, and only once per request
+  (upstream reports external tokens it then never loads in both cases: after a declined or failed
+  read -- D's blocks expired -- the request hangs in WAITING_FOR_REMOTE_KVS; seen on this CPU
+  deployment). P->D (ordinary disaggregation: D reads what P computed)
+  goes through the same policy when ``bidikv_apply_threshold_p_to_d`` (vLLM #55801); a declined
+  read makes D compute the prompt itself and still tells P to free its blocks.
+* **Safe block alignment** (``update_state_after_alloc``). vLLM pairs the reader's newly allocated
+  blocks with the *last* blocks of the peer's list. When the prompt is shorter than what the peer
+  holds, those hold later positions; the peer's list is cut to the blocks that cover the pulled
+  positions (:meth:`impl.policy.PullCandidate.peer_block_span`) before vLLM pairs them.
+* **Retention** (``request_finished``). When D keeps a finished turn's blocks, their expiry -- the
+  one D enforces and the one it publishes in ``remote_blocks_expiry_time`` -- is the retention
+  policy's ``expiry_on_finish(now)`` on vLLM's clock (``time.perf_counter``, the clock the
+  handshake's offset estimate is taken on). GapQuantileTTL learns from the gaps D observes: a
+  retained request released *before* its expiry was read (or declined) by P's next turn, so
+  release - finish is an inter-turn gap. HeartbeatLease can be renewed with :meth:`renew`.
+* **Notification** of the router (vLLM 0.32, :mod:`impl.connector.notify`), queued here, posted by
+  a background thread.
+* **Idle-step throttle** (``build_connector_meta``). While a node holds blocks for a peer (D for
+  its TTL, 480 s by default; P until D read them) vLLM's engine loop keeps stepping with nothing to
+  run (1 ms apart), and each step wakes the worker process, whose shared-memory reader then spins
+  for 1 s: ~100 % of a core per engine for the whole retention (measured on this project's CPU
+  deployment). Peers' reads do not need those steps (the NIXL progress thread serves them, see
+  worker.py); only the bookkeeping after a read (freeing the blocks) and lease expiry do. So when a
+  step schedules nothing and no read of ours is in flight, this waits up to
+  ``bidikv_idle_step_sleep_s`` (default 5 s: the worker spins 1 s of every 5 instead of always),
+  returning within 5 ms when a request or an abort arrives on the engine's input queue, so no new
+  request waits for it. Blocks a peer has read are freed up to that much later. Without access to
+  that queue (not inside a vLLM engine core) it waits 10 ms at most.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import os
+import queue
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+from impl.connector.config import ConnectorSettings
+from impl.connector.notify import NOTIFY_KEY, Notifier, parse_notify_field
+from impl.policy import PullCandidate, RecomputeDecision, TransferPath
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("bidikv.connector")
+_DEBUG = os.environ.get("BIDIKV_CONNECTOR_DEBUG") == "1"
+
+_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+_IDLE_SLICE_S = 0.005  # how often an idle wait checks the engine's input queue
+_BLIND_IDLE_SLEEP_S = 0.01  # the longest idle wait when that queue cannot be seen
+
+
+def _find_engine_inbox() -> queue.Queue | None:
+    """The input queue of the vLLM engine core constructing us (None outside an engine core).
+
+    vLLM builds the scheduler (and so this connector) inside ``EngineCoreProc.__init__``, after it
+    created ``self.input_queue``, where new requests and aborts arrive between steps.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(40):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            inbox = getattr(owner, "input_queue", None) if owner is not None else None
+            if isinstance(inbox, queue.Queue):
+                return inbox
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _count(value: Any) -> int | None:
+    """A token count from a peer's params, or None if it is not a non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+class BidikvPullScheduler(NixlPullConnectorScheduler):
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig",
+                 settings: ConnectorSettings, *, clock: Callable[[], float] = time.perf_counter,
+                 notifier: Notifier | None = None) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.settings = settings
+        self.recompute_policy = settings.recompute_policy
+        self.retention_policy = settings.make_retention()
+        self._clock = clock
+        if notifier is None and settings.notify:
+            notifier = Notifier(timeout_s=settings.notify_timeout_s)
+        self.notifier = notifier
+        # request -> (candidate, external tokens granted): the alignment of its read
+        self._pull_plans: dict[str, PullCandidate] = {}
+        # D: retained request -> (finished at, expiry) on self._clock
+        self._retained: dict[str, tuple[float, float]] = {}
+        # (path, reason) -> count, and how many peer block lists were cut (introspection, logs)
+        self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.trimmed_reads = 0
+        # requests of ours whose KV is being read (no idle throttling while any is in flight)
+        self._awaiting_recv: set[str] = set()
+        self._sleep: Callable[[float], None] = time.sleep
+        self.idle_sleeps = 0
+        self._engine_inbox = _find_engine_inbox()
+        if _DEBUG:
+            self._start_debug_probe()
+        log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
+                 "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
+                 "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
+
+    # -- pull or recompute ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params:
+            return 0, False
+        if params.get("do_remote_prefill"):
+            return self._prefill_to_decode(request, params, num_computed_tokens)
+        if (params.get("do_remote_decode") and params.get("remote_block_ids")
+                and all(p in params for p in _REMOTE_FIELDS)
+                # one read per request: after a failed or declined read (e.g. D's blocks expired) vLLM
+                # re-schedules the request from scratch and asks again; upstream then reports the
+                # tokens once more but queues no read, and the request waits forever
+                and not params.get("_remote_blocks_processed")):
+            return self._decode_to_prefill(request, params, num_computed_tokens)
+        return 0, False
+
+    def _prefill_to_decode(self, request: "Request", params: dict[str, Any], local_hit: int) -> tuple[int, bool]:
+        prompt = self._get_remote_prefill_token_count(len(request.prompt_token_ids or []))
+        if prompt - local_hit <= 0:
+            return 0, False
+        remote = _count(params.get("remote_num_tokens"))
+        remote = prompt if remote is None else min(remote, prompt)
+        if not self.settings.apply_threshold_p_to_d:
+            if remote - local_hit <= 0:
+                return 0, False
+            self._pull_plans[request.request_id] = PullCandidate(prompt, remote, local_hit, self.block_size,
+                                                                 TransferPath.PREFILL_TO_DECODE)
+            self._awaiting_recv.add(request.request_id)
+            return remote - local_hit, True
+        candidate = PullCandidate(prompt, remote, local_hit, self.block_size, TransferPath.PREFILL_TO_DECODE)
+        return self._decide(request, candidate, local_hit)
+
+    def _decode_to_prefill(self, request: "Request", params: dict[str, Any], local_hit: int) -> tuple[int, bool]:
+        if not self.is_bidirectional_kv_xfer_enabled:
+            return 0, False  # upstream would report tokens it never loads without bidirectional_kv_xfer
+        remote = _count(params.get("remote_num_tokens") or 0)
+        if remote is None:
+            log.warning("request %s: ignoring remote_num_tokens %r from the router", request.request_id,
+                        params.get("remote_num_tokens"))
+            return 0, False
+        candidate = PullCandidate(request.num_prompt_tokens, remote, local_hit, self.block_size,
+                                  TransferPath.DECODE_TO_PREFILL)
+        return self._decide(request, candidate, local_hit)
+
+    def _decide(self, request: "Request", candidate: PullCandidate, local_hit: int) -> tuple[int, bool]:
+        decision: RecomputeDecision = self.recompute_policy.decide(candidate)
+        self.decisions[(candidate.path.value, decision.reason.value)] += 1
+        log.debug("request %s %s: %s %d tokens (%s)", request.request_id, candidate.path.value,
+                  "pull" if decision.pull else "recompute", decision.tokens, decision.reason.value)
+        if not decision.pull:
+            self._pull_plans.pop(request.request_id, None)
+            return 0, False
+        # vLLM hands us a block-aligned hit, so this is decision.tokens; never beyond what the peer holds
+        tokens = min(decision.tokens, min(candidate.remote_num_tokens, candidate.prompt_tokens) - local_hit)
+        if tokens <= 0:
+            return 0, False
+        self._pull_plans[request.request_id] = candidate
+        # from now on the engine must keep stepping promptly: vLLM 0.33 may defer the load by a step
+        self._awaiting_recv.add(request.request_id)
+        return tokens, True
+
+    # -- alignment -----------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        candidate = self._pull_plans.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if candidate is not None and num_external_tokens > 0 and params and params.get("remote_block_ids"):
+            _, stop = candidate.peer_block_span(num_external_tokens)
+            trimmed = self._trim_peer_blocks(params["remote_block_ids"], stop)
+            if trimmed is not None:
+                params["remote_block_ids"] = trimmed
+                self.trimmed_reads += 1
+                log.debug("request %s: reading the peer's first %d blocks (prompt %d < peer's %d tokens)",
+                          request.request_id, stop, candidate.prompt_tokens, candidate.remote_num_tokens)
+        if num_external_tokens > 0:
+            self._awaiting_recv.add(request.request_id)
+        else:
+            self._awaiting_recv.discard(request.request_id)  # the scheduler dropped the load
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _trimmable(self, group: int) -> bool:
+        """Full-attention groups list a block per position from 0; window/SSM groups hold other things."""
+        if not self._is_hma_required:
+            return True
+        return (group < len(self.blocks_per_sw) and not self.blocks_per_sw[group]
+                and self._ssm_spec_blocks[group] is None)
+
+    def _trim_peer_blocks(self, remote_block_ids: Any, stop: int) -> list | None:
+        """The peer's block lists cut to ``stop`` blocks, or None if nothing is cut."""
+        if not isinstance(remote_block_ids, (list, tuple)) or not remote_block_ids:
+            return None
+        if isinstance(remote_block_ids[0], int):  # a flat list: one group
+            return list(remote_block_ids[:stop]) if len(remote_block_ids) > stop else None
+        out, cut = [], False
+        for g, group in enumerate(remote_block_ids):
+            group = list(group)
+            if len(group) > stop and self._trimmable(g):
+                group, cut = group[:stop], True
+            out.append(group)
+        return out if cut else None
+
+    # -- retention and notification ------------------------------------------------------------
+    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._pull_plans.pop(request.request_id, None)
+        self._awaiting_recv.discard(request.request_id)
+        request_params = request.kv_transfer_params
+        delay, out = super().request_finished(request, block_ids)
+        if _DEBUG:
+            log.warning("bidikv scheduler %s: request_finished %s status=%s delay=%s", self.engine_id,
+                        request.request_id, request.status, delay)
+        if delay and out is not None and out.get("do_remote_decode") and out.get("remote_blocks_expiry_time") is not None:
+            now = self._clock()
+            expiry = self.retention_policy.expiry_on_finish(now)
+            self._reqs_need_send[request.request_id] = expiry
+            out["remote_blocks_expiry_time"] = expiry
+            self._retained[request.request_id] = (now, expiry)
+            self._notify(request, request_params, out, expiry - now)
+        return delay, out
+
+    def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any],
+                expires_in_s: float) -> None:
+        if self.notifier is None or not request_params or NOTIFY_KEY not in request_params:
+            return
+        try:
+            target = parse_notify_field(request_params.get(NOTIFY_KEY))
+        except ValueError as e:
+            log.warning("request %s: not notifying the router: %s", request.request_id, e)
+            return
+        if target is not None:
+            self.notifier.submit(target, out, expires_in_s)
+
+    def renew(self, request_id: str, now: float | None = None) -> float | None:
+        """Apply the retention policy's renewal to a retained request (a heartbeat); its new expiry or None.
+
+        The new expiry reaches the worker with the next connector metadata (vLLM's worker takes a
+        re-sent deadline for a request not read yet). No transport delivers heartbeats from the
+        router yet; this is the scheduler half.
+        """
+        held = self._retained.get(request_id)
+        if held is None:
+            return None
+        finished_at, expiry = held
+        now = self._clock() if now is None else now
+        renewed = self.retention_policy.renew(expiry, finished_at, now)
+        if renewed != expiry:
+            self._retained[request_id] = (finished_at, renewed)
+            self._reqs_need_send[request_id] = renewed
+        return renewed
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        super().update_connector_output(connector_output)
+        if _DEBUG and (connector_output.finished_sending or connector_output.finished_recving):
+            log.warning("bidikv scheduler %s: finished_sending=%s finished_recving=%s", self.engine_id,
+                        connector_output.finished_sending, connector_output.finished_recving)
+        for req_id in connector_output.finished_recving or ():
+            self._awaiting_recv.discard(req_id)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._awaiting_recv.discard(req_id)
+        if not self._retained:
+            return
+        now = self._clock()
+        for req_id in connector_output.finished_sending or ():
+            held = self._retained.pop(req_id, None)
+            if held is None:
+                continue
+            finished_at, expiry = held
+            if now < expiry:  # released before expiry: P's next turn read it (or declined and said so)
+                self.retention_policy.observe_gap(now - finished_at)
+
+    # -- idle-step throttle ----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+        meta = super().build_connector_meta(scheduler_output)
+        pause = self.settings.idle_step_sleep_s
+        if (pause > 0 and scheduler_output.total_num_scheduled_tokens == 0 and not meta.reqs_to_recv
+                and not self._awaiting_recv):
+            self.idle_sleeps += 1
+            self._idle_wait(pause)
+        return meta
+
+    def _idle_wait(self, pause: float) -> None:
+        """Sleep up to ``pause``, in slices, returning as soon as the engine has new input."""
+        inbox = self._engine_inbox
+        if inbox is None:
+            self._sleep(min(pause, _BLIND_IDLE_SLEEP_S))
+            return
+        deadline = time.monotonic() + pause
+        while inbox.empty():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._sleep(min(_IDLE_SLICE_S, left))
+
+    def _start_debug_probe(self) -> None:  # BIDIKV_CONNECTOR_DEBUG=1 only: what vLLM's scheduler holds
+        import inspect
+        import threading
+
+        owner = None
+        for frame_info in inspect.stack()[1:12]:
+            candidate = frame_info.frame.f_locals.get("self")
+            if candidate is not None and hasattr(type(candidate), "has_requests") and hasattr(type(candidate), "finish_requests"):
+                owner = candidate
+                break
+
+        def probe() -> None:
+            while True:
+                time.sleep(2.0)
+                if owner is not None and (getattr(owner, "requests", None) or self._retained):
+                    log.warning("bidikv scheduler %s: requests=%d counts=%s has_requests=%s finished_ids=%d",
+                                self.engine_id, len(owner.requests), owner.get_request_counts(),
+                                owner.has_requests(), len(owner.finished_req_ids))
+
+        threading.Thread(target=probe, name="bidikv-debug-probe", daemon=True).start()
+
+    def shutdown(self):
+        super().shutdown()
+        if self.notifier is not None:
+            self.notifier.close()

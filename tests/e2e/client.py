@@ -1,0 +1,90 @@
+"""A minimal OpenAI-compatible client for the end-to-end tests (stdlib only).
+
+Two ways to drive a turn: through the router (``chat``), or directly the way vLLM's example proxy
+does (``direct_turn``: P with ``max_tokens=1`` and ``do_remote_decode``, then D with P's params,
+non-streamed so that D's own ``kv_transfer_params`` come back in the body on 0.32).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from tests.e2e.deployment import MODEL_NAME
+
+# The test model's <|im_end|> (EOS) and <unk> are banned so every answer has exactly max_tokens
+# tokens and every generated token survives detokenize -> retokenize (see tiny_model.py).
+NO_EOS_BIAS = {"1": -100, "2": -100}
+
+
+@dataclass
+class TurnResult:
+    text: str
+    ttft_s: float | None
+    total_s: float
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def request_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "logit_bias": NO_EOS_BIAS, "stream": stream}
+    body.update(extra)
+    return body
+
+
+def _post(url: str, body: dict[str, Any], timeout: float):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, stream: bool = True,
+         timeout: float = 180.0, **extra: Any) -> TurnResult:
+    """One chat turn against ``base_url`` (a router or a plain vLLM server)."""
+    body = request_body(messages, max_tokens, stream, **extra)
+    t0 = time.monotonic()
+    if not stream:
+        with _post(base_url + "/v1/chat/completions", body, timeout) as resp:
+            obj = json.loads(resp.read())
+        total = time.monotonic() - t0
+        if "choices" not in obj:
+            raise RuntimeError(f"no choices in {obj}")
+        return TurnResult(obj["choices"][0]["message"]["content"] or "", None, total, obj.get("kv_transfer_params"))
+    text, ttft, params = "", None, None
+    with _post(base_url + "/v1/chat/completions", body, timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"error event: {event}")
+            if event.get("kv_transfer_params"):
+                params = event["kv_transfer_params"]
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.monotonic() - t0
+                    text += piece
+    return TurnResult(text, ttft, time.monotonic() - t0, params)
+
+
+def direct_turn(prefill_url: str, decode_url: str, messages: list[dict[str, Any]], max_tokens: int,
+                d_params: dict[str, Any] | None, timeout: float = 180.0) -> TurnResult:
+    """P then D like vLLM's proxy; ``d_params`` are D's params of the previous turn (or None)."""
+    p_params = dict(d_params) if d_params else {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    p_params["do_remote_decode"], p_params["do_remote_prefill"] = True, False
+    t0 = time.monotonic()
+    body = request_body(messages, 1, False, kv_transfer_params=p_params)
+    with _post(prefill_url + "/v1/chat/completions", body, timeout) as resp:
+        p_obj = json.loads(resp.read())
+    body = request_body(messages, max_tokens, False, kv_transfer_params=p_obj.get("kv_transfer_params"))
+    with _post(decode_url + "/v1/chat/completions", body, timeout) as resp:
+        d_obj = json.loads(resp.read())
+    return TurnResult(d_obj["choices"][0]["message"]["content"] or "", None, time.monotonic() - t0,
+                      d_obj.get("kv_transfer_params"))
