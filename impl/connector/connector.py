@@ -49,6 +49,13 @@ class NixlConnector(NixlPullConnector):
             raise ValueError(f"Unsupported KVConnectorRole: {role}")
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig"):
+        # The engine core asks this before it builds workers or the KV cache: fail there, naming the key.
+        if vllm_config.kv_transfer_config is not None:
+            settings_of(vllm_config)
+        return super().get_required_kvcache_layout(vllm_config)
+
+    @classmethod
     def build_prom_metrics(cls, vllm_config: "VllmConfig", *args: Any, **kwargs: Any):
         # Called in the API-server process before the engine starts: a bad extra config stops the
         # server there, with the key in the message, instead of in a child process's traceback.

@@ -112,7 +112,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         if notifier is None and settings.notify:
             notifier = Notifier(timeout_s=settings.notify_timeout_s)
         self.notifier = notifier
-        # request -> (candidate, external tokens granted): the alignment of its read
+        # request -> the candidate it will read for: the alignment of its read
         self._pull_plans: dict[str, PullCandidate] = {}
         # D: retained request -> (finished at, expiry) on self._clock
         self._retained: dict[str, tuple[float, float]] = {}
@@ -124,8 +124,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self._sleep: Callable[[float], None] = time.sleep
         self.idle_sleeps = 0
         self._engine_inbox = _find_engine_inbox()
-        if _DEBUG:
-            self._start_debug_probe()
+        self._warned_host_buffer = False
         log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
                  "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
                  "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
@@ -165,6 +164,14 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
     def _decode_to_prefill(self, request: "Request", params: dict[str, Any], local_hit: int) -> tuple[int, bool]:
         if not self.is_bidirectional_kv_xfer_enabled:
             return 0, False  # upstream would report tokens it never loads without bidirectional_kv_xfer
+        if self.use_host_buffer:
+            # GPU with kv_buffer_device "cpu": upstream's update_state_after_alloc only stages P's
+            # blocks for saving and never queues the D->P read, so the request would wait forever
+            if not self._warned_host_buffer:
+                self._warned_host_buffer = True
+                log.warning("bidikv: D->P reads are not supported with a host staging buffer "
+                            "(kv_buffer_device 'cpu' on a GPU); recomputing instead")
+            return 0, False
         remote = _count(params.get("remote_num_tokens") or 0)
         if remote is None:
             log.warning("request %s: ignoring remote_num_tokens %r from the router", request.request_id,
@@ -320,27 +327,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             if left <= 0:
                 return
             self._sleep(min(_IDLE_SLICE_S, left))
-
-    def _start_debug_probe(self) -> None:  # BIDIKV_CONNECTOR_DEBUG=1 only: what vLLM's scheduler holds
-        import inspect
-        import threading
-
-        owner = None
-        for frame_info in inspect.stack()[1:12]:
-            candidate = frame_info.frame.f_locals.get("self")
-            if candidate is not None and hasattr(type(candidate), "has_requests") and hasattr(type(candidate), "finish_requests"):
-                owner = candidate
-                break
-
-        def probe() -> None:
-            while True:
-                time.sleep(2.0)
-                if owner is not None and (getattr(owner, "requests", None) or self._retained):
-                    log.warning("bidikv scheduler %s: requests=%d counts=%s has_requests=%s finished_ids=%d",
-                                self.engine_id, len(owner.requests), owner.get_request_counts(),
-                                owner.has_requests(), len(owner.finished_req_ids))
-
-        threading.Thread(target=probe, name="bidikv-debug-probe", daemon=True).start()
 
     def shutdown(self):
         super().shutdown()

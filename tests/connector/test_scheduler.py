@@ -156,6 +156,16 @@ def test_d_to_p_needs_bidirectional(model_dir):
     assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[req.request_id] == 100
 
 
+def test_no_d_to_p_read_through_a_host_staging_buffer(model_dir):
+    """GPU + kv_buffer_device "cpu": upstream would park the request for a read it never queues."""
+    scheduler = prefill_node(model_dir)
+    connector_scheduler(scheduler).use_host_buffer = True
+    req = make_request(tokens(100, seed=41), decode_params(num_blocks=3, remote_num_tokens=96))
+    scheduler.add_request(req)
+    so = scheduler.schedule()
+    assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[req.request_id] == 100
+
+
 def test_short_prompt_reads_the_blocks_covering_it_not_the_last_ones(model_dir):
     """P's prompt (150 tokens) is shorter than what D holds (320 tokens in 10 blocks 100..109)."""
     scheduler = prefill_node(model_dir)
@@ -387,6 +397,21 @@ def test_idle_wait_ends_when_the_engine_has_input(model_dir):
     assert cs.idle_sleep_calls == [0.005]  # input pending: no wait at all
 
 
+def test_the_engine_inbox_is_found_from_the_constructing_engine():
+    import queue
+
+    from impl.connector.scheduler import _find_engine_inbox
+
+    class EngineCoreLike:  # vLLM's EngineCoreProc creates input_queue, then builds the scheduler
+        def __init__(self):
+            self.input_queue = queue.Queue()
+            self.found = _find_engine_inbox()
+
+    engine = EngineCoreLike()
+    assert engine.found is engine.input_queue
+    assert _find_engine_inbox() is None
+
+
 def test_idle_sleep_can_be_disabled(model_dir):
     scheduler = decode_node(model_dir, bidikv_idle_step_sleep_s=0)
     cs = connector_scheduler(scheduler)
@@ -400,3 +425,14 @@ def test_idle_sleep_can_be_disabled(model_dir):
 def test_bad_extra_config_stops_the_scheduler_naming_the_key(model_dir):
     with pytest.raises(ConfigError, match=r"\['bidikv_retention'\].*'ttl', 'lease', 'gap_quantile'"):
         make_scheduler(make_vllm_config(model_dir, "kv_consumer", {"bidikv_retention": "forever"}))
+
+
+def test_bad_extra_config_stops_the_engine_core_before_workers_exist(model_dir):
+    """vLLM asks the connector class for its KV layout before it builds workers or the KV cache."""
+    from impl.connector import NixlConnector
+
+    with pytest.raises(ConfigError, match=r"\['bidikv_idle_step_sleep_s'\]"):
+        NixlConnector.get_required_kvcache_layout(
+            make_vllm_config(model_dir, "kv_producer", {"bidikv_idle_step_sleep_s": "soon"}))
+    good = make_vllm_config(model_dir, "kv_producer", {"bidirectional_kv_xfer": True})
+    assert NixlConnector.get_required_kvcache_layout(good) in ("LBHNC", None)

@@ -67,14 +67,14 @@ def conversation(dep, marker: str, turns: int = 3) -> list[dict]:
     messages = [{"role": "system", "content": f"[{marker}] You are a terse assistant. " * 3},
                 {"role": "user", "content": "Explain how a bicycle gear works, step by step. " * 3}]
     for turn in range(turns):
-        bp, bd = pull_counters(dep.prefill.url), pull_counters(dep.decode.url)
         try:
+            bp, bd = pull_counters(dep.prefill.url), pull_counters(dep.decode.url)
             result = chat(dep.router.url, messages, max_tokens=64, conversation_id=marker, timeout=TURN_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a hung turn is a result too
+            time.sleep(0.3)  # let the counters of the step that finished the read be published
+            dp, dd = delta(pull_counters(dep.prefill.url), bp), delta(pull_counters(dep.decode.url), bd)
+        except Exception as exc:  # noqa: BLE001 - a hung turn or an unresponsive server is a result too
             out.append({"turn": turn + 1, "error": f"{type(exc).__name__}: {exc}"})
             return out
-        time.sleep(0.3)  # let the counters of the step that finished the read be published
-        dp, dd = delta(pull_counters(dep.prefill.url), bp), delta(pull_counters(dep.decode.url), bd)
         out.append({
             "turn": turn + 1, "ttft_s": round(result.ttft_s or 0, 4), "total_s": round(result.total_s, 4),
             "p_pulled_tokens": dp["external_tokens"], "p_xfers": dp["xfers"],
