@@ -8,6 +8,7 @@ counters say what it offered. The oracle is exact text equality: the model is fl
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from tests.e2e.client import chat, direct_turn
@@ -23,6 +24,10 @@ def reference_text(e2e: E2E, messages, max_tokens: int) -> str:
 
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
+
+
+def _shown(counters: dict) -> dict:
+    return {k: round(v, 4) for k, v in counters.items() if v}
 
 
 def assert_pulled_from_d(d: dict, turn: int) -> None:
@@ -44,6 +49,7 @@ def test_three_turns_through_the_router_pull_from_d_and_match_the_reference(e2e:
         before = e2e.counters()
         got = chat(e2e.router, messages, max_tokens=LONG, conversation_id=cid)
         d = e2e.settled_delta(before)
+        print(f"\nturn {turn}: P {_shown(d['p'])}; D {_shown(d['d'])}; router {_shown(d['router'])}")
         assert got.text == reference_text(e2e, messages, LONG), f"turn {turn}: text differs from the reference"
         assert len(got.text) > 0
         if turn == 1:
@@ -98,3 +104,36 @@ def test_threshold_above_the_reusable_count_does_not_pull(e2e: E2E):
     assert d["router"]["hits"] == 1 and d["router"]["offered_tokens"] > 0, d
     assert_no_pull(d, 2)
     assert second.text == reference_text(e2e, messages, SHORT)
+
+
+def test_turns_after_the_ttl_recompute(e2e: E2E):
+    """D keeps a turn's blocks for 20 s. Through the router a late turn is not offered them; sent
+    directly with D's stale params, P declines the read (vLLM's 5 s margin) and recomputes.
+
+    (Upstream, the declined request then hung in WAITING_FOR_REMOTE_KVS: vLLM re-asks the connector
+    after the failed load and upstream reports the tokens again without queueing a read. Our
+    scheduler reads at most once per request; tests/connector pins it at scheduler level.)"""
+    cid = f"ttl-{uuid.uuid4().hex}"
+    routed = [unique_system("ttl-router"), user("Explain how tides work, step by step. " * 3)]
+    direct = [unique_system("ttl-direct"), user("Explain how volcanoes form, step by step. " * 3)]
+    first_routed = chat(e2e.router, routed, max_tokens=LONG, conversation_id=cid)
+    first_direct = direct_turn(e2e.prefill, e2e.decode, direct, LONG, None)
+    time.sleep(e2e.decoder_ttl_s + 2.0)
+
+    routed += [{"role": "assistant", "content": first_routed.text}, user("And the moon's part? " * 5)]
+    before = e2e.counters()
+    second_routed = chat(e2e.router, routed, max_tokens=SHORT, conversation_id=cid)
+    d = e2e.settled_delta(before)
+    assert d["router"]["hits"] == 0, f"the router offered expired blocks: {d}"
+    assert_no_pull(d, 2)
+    assert second_routed.text == reference_text(e2e, routed, SHORT)
+
+    direct += [{"role": "assistant", "content": first_direct.text}, user("And the magma's part? " * 5)]
+    before = e2e.counters()
+    second_direct = direct_turn(e2e.prefill, e2e.decode, direct, SHORT, first_direct.kv_transfer_params)
+    d = e2e.settled_delta(before)
+    # P planned the read (vLLM counts the tokens at scheduling) but declined it before any NIXL
+    # transfer: D's deadline minus the 5 s margin had passed; kv_load_failure_policy "recompute"
+    assert d["p"]["expired"] >= 1, f"P did not decline the expired read: {d}"
+    assert d["p"]["xfers"] == 0 and d["p"]["bytes"] == 0, f"P read expired blocks: {d}"
+    assert second_direct.text == reference_text(e2e, direct, SHORT)
