@@ -8,7 +8,10 @@ import math
 import os
 from typing import Any, Sequence
 
+from impl.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
+
+_BENCH_DEFAULTS = BenchConfig(url="", mode="on")  # the one source of the bench's defaults
 
 
 def register(subparsers: Any) -> None:
@@ -31,11 +34,15 @@ def register(subparsers: Any) -> None:
                    help="think time = workload gap x this (default: 0, back to back like vLLM's benchmark)")
     p.add_argument("--max-model-len", type=int, default=0, help="stop conversations before this (default: from /v1/models)")
     p.add_argument("--api-key-env", default="BIDIKV_API_KEY", help="environment variable holding the API key")
+    p.add_argument("--token-id-low", type=int, default=_BENCH_DEFAULTS.token_id_low,
+                   help="synthetic prompt token ids are drawn from [low, high) (default: %(default)s)")
+    p.add_argument("--token-id-high", type=int, default=_BENCH_DEFAULTS.token_id_high,
+                   help="exclusive upper bound; at most the model's vocabulary size (default: %(default)s)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from impl.bench.client import BenchConfig, run_bench
+    from impl.bench.client import run_bench
     from impl.bench.records import write_jsonl
     from sim.cli import workload_from_args
     from sim.config import load_config
@@ -47,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     conversations = load_workload(workload, seed)
     config = BenchConfig(url=args.url, mode=args.mode, model=args.model, concurrency=args.concurrency,
                          max_rate_per_s=args.max_rate, gap_scale=args.gap_scale, max_model_len=args.max_model_len,
-                         seed=seed, api_key=os.environ.get(args.api_key_env))
+                         seed=seed, api_key=os.environ.get(args.api_key_env), token_id_low=args.token_id_low,
+                         token_id_high=args.token_id_high)
     records = asyncio.run(run_bench(config, conversations))
     if args.out:
         write_jsonl(records, args.out)

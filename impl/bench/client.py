@@ -14,40 +14,13 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import aiohttp
 
+from impl.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
 from sim.workload.model import Conversation
-
-
-@dataclass
-class BenchConfig:
-    url: str
-    mode: str  # what the deployment runs: "on" or "off"
-    model: str | None = None  # default: the first model /v1/models lists
-    concurrency: int = 2
-    max_rate_per_s: float = 0.0  # turn starts per second over all clients; 0 = unlimited
-    gap_scale: float = 0.0  # think time = workload gap x this (0: back to back, as vLLM's benchmark)
-    max_model_len: int = 0  # 0: from /v1/models; conversations stop before exceeding it
-    token_id_low: int = 100  # synthetic prompt ids are drawn from [low, high): valid in any real vocab
-    token_id_high: int = 1000
-    seed: int = 0
-    timeout_s: float = 300.0
-    api_key: str | None = None
-    extra_body: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("on", "off"):
-            raise ValueError(f"mode must be 'on' or 'off', got {self.mode!r}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.max_rate_per_s < 0 or self.gap_scale < 0 or self.timeout_s <= 0:
-            raise ValueError("max_rate_per_s and gap_scale must be >= 0, timeout_s > 0")
-        if not 0 <= self.token_id_low < self.token_id_high:
-            raise ValueError("need 0 <= token_id_low < token_id_high")
 
 
 class _RateLimit:

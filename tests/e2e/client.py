@@ -35,25 +35,28 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool, 
     return body
 
 
-def _post(url: str, body: dict[str, Any], timeout: float):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], timeout: float, api_key: str | None = None):
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     return urllib.request.urlopen(req, timeout=timeout)
 
 
 def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, stream: bool = True,
-         timeout: float = 180.0, **extra: Any) -> TurnResult:
+         timeout: float = 180.0, api_key: str | None = None, **extra: Any) -> TurnResult:
     """One chat turn against ``base_url`` (a router or a plain vLLM server)."""
     body = request_body(messages, max_tokens, stream, **extra)
     t0 = time.monotonic()
     if not stream:
-        with _post(base_url + "/v1/chat/completions", body, timeout) as resp:
+        with _post(base_url + "/v1/chat/completions", body, timeout, api_key) as resp:
             obj = json.loads(resp.read())
         total = time.monotonic() - t0
         if "choices" not in obj:
             raise RuntimeError(f"no choices in {obj}")
         return TurnResult(obj["choices"][0]["message"]["content"] or "", None, total, obj.get("kv_transfer_params"))
     text, ttft, params = "", None, None
-    with _post(base_url + "/v1/chat/completions", body, timeout) as resp:
+    with _post(base_url + "/v1/chat/completions", body, timeout, api_key) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":

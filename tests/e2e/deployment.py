@@ -236,7 +236,9 @@ def vllm_cmd(model_dir: Path, port: int, kv_transfer_config: dict[str, Any] | No
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len),
-           "--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(NUM_KV_BLOCKS)]
+           "--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(NUM_KV_BLOCKS),
+           # usage.prompt_tokens_details.cached_tokens: P's local + pulled tokens, what the bench records
+           "--enable-prompt-tokens-details"]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return cmd
@@ -303,13 +305,7 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
     if spec.reference:
         reference = Process("reference", ref_port, vllm_cmd(model_dir, ref_port, None), server_env(None, spec.env),
                             log_dir / "reference.log")
-    router = None
-    if spec.router:
-        router = Process("router", r_port, [
-            sys.executable, "-m", "impl.router", "--prefill", prefill.url, "--decode", decode.url,
-            "--host", "127.0.0.1", "--port", str(r_port), "--decoder-kv-blocks-ttl-s", str(spec.decoder_ttl_s),
-            "--notify-url", f"http://127.0.0.1:{r_port}/internal/kv_params", "--health-interval-s", "1.0",
-            "--log-level", "info"], server_env(None, spec.env), log_dir / "router.log")
+    router = router_process(prefill.url, decode.url, spec, log_dir, port=r_port) if spec.router else None
     deployment = Deployment(prefill, decode, reference, router, spec, log_dir)
     try:
         servers = [p for p in (prefill, decode, reference) if p is not None]
@@ -323,6 +319,17 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
         deployment.stop()
         raise
     return deployment
+
+
+def router_process(prefill_url: str, decode_url: str, spec: DeploymentSpec, log_dir: Path, *, name: str = "router",
+                   port: int | None = None, env: dict[str, str] | None = None) -> Process:
+    """``python -m impl.router`` in front of P and D; D's connector notifies it at its own URL."""
+    port = port or free_port()
+    return Process(name, port, [
+        sys.executable, "-m", "impl.router", "--prefill", prefill_url, "--decode", decode_url,
+        "--host", "127.0.0.1", "--port", str(port), "--decoder-kv-blocks-ttl-s", str(spec.decoder_ttl_s),
+        "--notify-url", f"http://127.0.0.1:{port}/internal/kv_params", "--health-interval-s", "1.0",
+        "--log-level", "info"], server_env(None, {**spec.env, **(env or {})}), log_dir / f"{name}.log")
 
 
 # -- Prometheus ------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""The router's safety properties on the real deployment: what the upstream flow (vLLM's example proxy)
+gets wrong, and that the router does not.
+
+- Rewritten history: sent the upstream way (P then D, D's params passed straight back), P reads D's
+  blocks although the prompt no longer continues them. Through the router it reads nothing
+  (tests/e2e/test_bidirectional.py::test_rewritten_history_does_not_pull).
+- Tenants: a second router with two API keys runs in front of the same P and D; another tenant using
+  the same conversation id gets no reuse, and the owner's next turn still pulls.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.e2e.client import chat, direct_turn
+from tests.e2e.conftest import E2E, unique_system
+from tests.e2e.deployment import Metrics, router_process, wait_healthy
+from tests.e2e.test_bidirectional import LONG, SHORT, assert_no_pull, assert_pulled_from_d, reference_text, user
+
+KEYS = {"alice": "sk-alice-e2e", "bob": "sk-bob-e2e"}
+
+
+def test_upstream_flow_reads_stale_blocks_for_a_rewritten_history(e2e: E2E):
+    """The hazard the router's continuation guard exists for (vLLM #43094/#44838), shown on real vLLM."""
+    messages = [unique_system("stale"), user("Describe how a steam engine works, step by step. " * 3)]
+    first = direct_turn(e2e.prefill, e2e.decode, messages, LONG, None)
+    rewritten = first.text[: len(first.text) // 2] + " (edited by the client) " + first.text[len(first.text) // 2:]
+    messages = messages + [{"role": "assistant", "content": rewritten}, user("And the condenser? " * 5)]
+    before = e2e.counters()
+    direct_turn(e2e.prefill, e2e.decode, messages, SHORT, first.kv_transfer_params)
+    d = e2e.settled_delta(before)
+    # P took D's block-aligned tokens as its own although the edit sits inside them
+    assert d["p"]["external_tokens"] >= e2e.threshold and d["p"]["xfers"] >= 1, d
+
+
+@pytest.fixture(scope="module")
+def tenant_router(e2e: E2E):
+    dep = e2e.deployment
+    router = router_process(e2e.prefill, e2e.decode, dep.spec, e2e.log_dir, name="router-tenants",
+                            env={"BIDIKV_API_KEYS": ",".join(f"{t}={k}" for t, k in KEYS.items())})
+    router.start()
+    try:
+        wait_healthy([router], 60.0)
+        yield router.url
+    finally:
+        router.stop()
+
+
+def _router_counters(e2e: E2E, url: str) -> dict[str, float]:
+    m = Metrics.scrape(url)
+    return {"hits": m.value("bidikv_router_reuse_hits_total"),
+            "tenant_misses": m.value("bidikv_router_reuse_misses_total", reason="tenant"),
+            "stored_notify": m.value("bidikv_router_turns_stored_total", source="notify")}
+
+
+def test_another_tenant_with_the_same_conversation_id_pulls_nothing(e2e: E2E, tenant_router: str):
+    cid = f"shared-id-{uuid.uuid4().hex}"
+    alice = [unique_system("alice"), user("Explain how a refrigerator keeps food cold. " * 3)]
+    first = chat(tenant_router, alice, max_tokens=LONG, conversation_id=cid, api_key=KEYS["alice"])
+    alice += [{"role": "assistant", "content": first.text}, user("Why does it hum at night? " * 5)]
+
+    def turn(messages, key, max_tokens):
+        before, r_before = e2e.counters(), _router_counters(e2e, tenant_router)
+        got = chat(tenant_router, messages, max_tokens=max_tokens, conversation_id=cid, api_key=key)
+        d, r = e2e.settled_delta(before), _router_counters(e2e, tenant_router)
+        d["router"] = {k: r[k] - r_before[k] for k in r}
+        assert got.text == reference_text(e2e, messages, max_tokens)
+        return got, d
+
+    # bob happens to use alice's conversation id for a conversation of his own
+    bob = [unique_system("bob"), user("Explain how a kettle whistles. " * 3)]
+    _, d = turn(bob, KEYS["bob"], SHORT)
+    assert d["router"]["hits"] == 0 and d["router"]["tenant_misses"] == 1, d
+    assert_no_pull(d, 1)
+
+    # alice's entry survived: her turn 2 reads D's blocks
+    second, d = turn(alice, KEYS["alice"], LONG)
+    assert_pulled_from_d(d, 2)
+
+    # bob replays alice's exact history under her id: a perfect continuation, still not his to reuse.
+    # (P's own prefix cache is shared by all tenants unless requests carry a cache_salt; this checks
+    # that the router never hands one tenant another's D blocks.)
+    alice += [{"role": "assistant", "content": second.text}, user("Is that normal? " * 5)]
+    _, d = turn(alice, KEYS["bob"], SHORT)
+    assert d["router"]["hits"] == 0, d
+    assert_no_pull(d, 3)
+
+
+def test_a_request_without_a_key_is_refused(e2e: E2E, tenant_router: str):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        chat(tenant_router, [user("hello")], max_tokens=2, conversation_id="no-key")
+    assert err.value.code == 401
