@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = [
     "calibration.cli",  # calibrate, profile
     "impl.router.cli",  # router
     "impl.bench.cli",  # bench
+    "impl.deploy.cli",  # deploy
 ]
 
 
