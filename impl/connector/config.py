@@ -47,6 +47,11 @@ bidikv_idle_step_sleep_s           5.0        longest wait of an engine step tha
 bidikv_notify                      true       post D's kv_transfer_params to the router when the
                                               request carries ``bidikv_notify`` (impl.router.notify)
 bidikv_notify_timeout_s            1.0        timeout of one notification POST
+bidikv_heartbeat_port              0          D: port of the heartbeat listener the router relays client
+                                              heartbeats to (impl/connector/heartbeat.py), plus the
+                                              engine's data-parallel index; 0: no listener (a lease
+                                              then acts as a fixed TTL of ``bidikv_lease_s``)
+bidikv_heartbeat_host              "0.0.0.0"  address that listener binds to
 =================================  =========  ==========================================================
 
 Keys that belong to a retention policy that is not selected are rejected (a lease length under
@@ -97,6 +102,8 @@ _OTHER_KEYS = (
     "bidikv_idle_step_sleep_s",
     "bidikv_notify",
     "bidikv_notify_timeout_s",
+    "bidikv_heartbeat_port",
+    "bidikv_heartbeat_host",
 )
 KNOWN_BIDIKV_KEYS = frozenset(_OTHER_KEYS) | frozenset(_LEASE_KEYS) | frozenset(_GAP_KEYS)
 
@@ -176,6 +183,8 @@ class ConnectorSettings:
     idle_step_sleep_s: float = 5.0
     notify: bool = True
     notify_timeout_s: float = 1.0
+    heartbeat_port: int = 0
+    heartbeat_host: str = "0.0.0.0"
     recompute_policy: RecomputePolicy = field(default=FixedThreshold(64), compare=False)
     explicit_keys: frozenset[str] = frozenset()
 
@@ -245,6 +254,8 @@ class ConnectorSettings:
             idle_step_sleep_s=_idle_sleep(extra),
             notify=_bool(extra, "bidikv_notify", True),
             notify_timeout_s=_seconds(extra, "bidikv_notify_timeout_s", 1.0, positive=True),
+            heartbeat_port=_port(extra, "bidikv_heartbeat_port"),
+            heartbeat_host=_host(extra, "bidikv_heartbeat_host"),
             recompute_policy=policy,
             explicit_keys=frozenset(k for k in extra if isinstance(k, str)),
         )
@@ -274,6 +285,21 @@ def _idle_sleep(extra: Mapping[str, Any]) -> float:
     if value > 30.0:
         raise ConfigError("bidikv_idle_step_sleep_s", f"must be at most 30 s (it delays releasing read blocks), "
                                                       f"got {value!r}")
+    return value
+
+
+def _port(extra: Mapping[str, Any], key: str) -> int:
+    value = extra.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(key, f"must be an integer port in 0..65535 (0: off), got {value!r}")
+    return value
+
+
+def _host(extra: Mapping[str, Any], key: str) -> str:
+    value = extra.get(key, "0.0.0.0")
+    # an address to bind, not a URL: a scheme, path or blank would only fail later, inside the engine
+    if not isinstance(value, str) or not value or len(value) > 253 or any(c in value for c in " /\t\n@?#"):
+        raise ConfigError(key, f"must be a host name or IP address to listen on, got {value!r}")
     return value
 
 

@@ -4,7 +4,8 @@ On vLLM 0.32 a streamed response carries no ``kv_transfer_params``, so the route
 D's stream where D keeps a finished turn's blocks. The router puts ``bidikv_notify`` (``url``,
 ``turn``, ``token``) in the params it sends D; when D's scheduler finishes such a request *and
 retains its blocks*, :class:`Notifier` POSTs ``{"turn", "token", "kv_transfer_params",
-"expires_in_s"}`` to that URL.
+"expires_in_s"}`` to that URL, plus ``heartbeat_url`` when D runs a heartbeat listener
+(:mod:`impl.connector.heartbeat`): where the router relays the conversation's heartbeats.
 
 Never on the engine's critical path: ``submit`` only validates the field, encodes the body and puts it
 on a bounded queue (a full queue drops the notification and counts it); one daemon thread does the
@@ -101,11 +102,14 @@ class Notifier:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, target: NotifyTarget, kv_params: dict[str, Any], expires_in_s: float | None) -> bool:
+    def submit(self, target: NotifyTarget, kv_params: dict[str, Any], expires_in_s: float | None,
+               heartbeat_url: str | None = None) -> bool:
         """Queue one notification; never blocks. False if it was dropped."""
         body = {"turn": target.turn, "token": target.token, "kv_transfer_params": _jsonable(kv_params)}
         if expires_in_s is not None and math.isfinite(expires_in_s):
             body["expires_in_s"] = max(0.0, float(expires_in_s))
+        if heartbeat_url is not None:
+            body["heartbeat_url"] = heartbeat_url
         payload = json.dumps(body, separators=(",", ":")).encode()
         with self._lock:
             if self._closed:

@@ -22,7 +22,10 @@ the bytes). What changes relative to vLLM 0.32's ``NixlPullConnectorScheduler``:
   policy's ``expiry_on_finish(now)`` on vLLM's clock (``time.perf_counter``, the clock the
   handshake's offset estimate is taken on). GapQuantileTTL learns from the gaps D observes: a
   retained request released *before* its expiry was read (or declined) by P's next turn, so
-  release - finish is an inter-turn gap. HeartbeatLease can be renewed with :meth:`renew`.
+  release - finish is an inter-turn gap. HeartbeatLease is renewed with :meth:`renew`, by client
+  heartbeats the router relays to D's heartbeat listener (``bidikv_heartbeat_port``,
+  :mod:`impl.connector.heartbeat`): its threads only queue them; this thread applies them at every
+  step and during the idle wait below, and the listener's URL reaches the router in the notification.
 * **Notification** of the router (vLLM 0.32, :mod:`impl.connector.notify`), queued here, posted by
   a background thread.
 * **Idle-step throttle** (``build_connector_meta``). While a node holds blocks for a peer (D for
@@ -50,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
-from impl.connector.config import ConnectorSettings
+from impl.connector.config import ConfigError, ConnectorSettings
+from impl.connector.heartbeat import HeartbeatListener
 from impl.connector.notify import NOTIFY_KEY, Notifier, parse_notify_field
 from impl.policy import PullCandidate, RecomputeDecision, TransferPath
 
@@ -125,6 +129,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self.idle_sleeps = 0
         self._engine_inbox = _find_engine_inbox()
         self._warned_host_buffer = False
+        self.heartbeats = self._start_heartbeat_listener(vllm_config, engine_id)
         log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
                  "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
                  "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
@@ -255,6 +260,45 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             self._notify(request, request_params, out, expiry - now)
         return delay, out
 
+    def _start_heartbeat_listener(self, vllm_config: "VllmConfig", engine_id: str) -> HeartbeatListener | None:
+        port = self.settings.heartbeat_port
+        # a pure producer (P) never keeps a finished turn for a later one: nothing to renew there, and
+        # P and D on one host may share one extra config, so P must not take D's port
+        if port == 0 or vllm_config.kv_transfer_config.kv_role == "kv_producer":
+            return None
+        # one engine core per data-parallel rank, each with its own scheduler: offset like NIXL's side channel
+        port += vllm_config.parallel_config.data_parallel_index
+        try:
+            # the scheduler's dict, read from the listener's threads: one membership test, atomic under the GIL
+            listener = HeartbeatListener(self.settings.heartbeat_host, port, engine_id, self._retained.__contains__,
+                                         advertised_host=getattr(self, "side_channel_host", None))
+        except (OSError, OverflowError) as e:
+            raise ConfigError("bidikv_heartbeat_port", f"cannot listen on {self.settings.heartbeat_host}:{port} "
+                                                       f"({e})") from None
+        log.info("bidikv heartbeat listener of engine %s at %s (retention %s)", engine_id, listener.url,
+                 self.settings.retention)
+        return listener
+
+    def _drain_heartbeats(self) -> int:
+        return 0 if self.heartbeats is None else self.heartbeats.drain(self._answer_heartbeat)
+
+    def _answer_heartbeat(self, request_id: str) -> dict[str, Any]:
+        """Apply one relayed heartbeat and say what D now enforces (the listener's protocol)."""
+        held = self._retained.get(request_id)
+        now = self._clock()
+        if held is None:
+            return {"status": "not_held", "reason": "unknown"}  # read by P's next turn, or reaped
+        if now > held[1]:
+            # lapsed: the worker frees it at its next expiry scan, and a lapsed lease stays lapsed
+            return {"status": "not_held", "reason": "expired"}
+        renewed = self.renew(request_id, now)
+        answer: dict[str, Any] = {"status": "held", "renewed": renewed > held[1], "retention": self.settings.retention,
+                                  "expiry_time": renewed, "expires_in_s": max(0.0, renewed - now)}
+        interval = getattr(self.retention_policy, "heartbeat_interval_s", None)
+        if interval is not None:
+            answer["heartbeat_interval_s"] = interval
+        return answer
+
     def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any],
                 expires_in_s: float) -> None:
         if self.notifier is None or not request_params or NOTIFY_KEY not in request_params:
@@ -265,14 +309,15 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             log.warning("request %s: not notifying the router: %s", request.request_id, e)
             return
         if target is not None:
-            self.notifier.submit(target, out, expires_in_s)
+            self.notifier.submit(target, out, expires_in_s,
+                                 heartbeat_url=self.heartbeats.url if self.heartbeats is not None else None)
 
     def renew(self, request_id: str, now: float | None = None) -> float | None:
         """Apply the retention policy's renewal to a retained request (a heartbeat); its new expiry or None.
 
         The new expiry reaches the worker with the next connector metadata (vLLM's worker takes a
-        re-sent deadline for a request not read yet). No transport delivers heartbeats from the
-        router yet; this is the scheduler half.
+        re-sent deadline for a request not read yet). Called on this thread only: the heartbeat
+        listener's renewals come through :meth:`_drain_heartbeats`.
         """
         held = self._retained.get(request_id)
         if held is None:
@@ -307,6 +352,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
 
     # -- idle-step throttle ----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+        self._drain_heartbeats()  # renewed deadlines go out with this step's metadata
         meta = super().build_connector_meta(scheduler_output)
         pause = self.settings.idle_step_sleep_s
         if (pause > 0 and scheduler_output.total_num_scheduled_tokens == 0 and not meta.reqs_to_recv
@@ -316,13 +362,22 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         return meta
 
     def _idle_wait(self, pause: float) -> None:
-        """Sleep up to ``pause``, in slices, returning as soon as the engine has new input."""
+        """Sleep up to ``pause``, in slices, returning as soon as the engine has new input.
+
+        A heartbeat is new input too: it is answered within a slice, and the wait ends so the renewed
+        deadline reaches the worker with the very next step instead of up to ``pause`` later.
+        """
         inbox = self._engine_inbox
+        heartbeats = self.heartbeats
         if inbox is None:
             self._sleep(min(pause, _BLIND_IDLE_SLEEP_S))
+            self._drain_heartbeats()
             return
         deadline = time.monotonic() + pause
         while inbox.empty():
+            if heartbeats is not None and heartbeats.pending():
+                self._drain_heartbeats()
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -330,5 +385,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
 
     def shutdown(self):
         super().shutdown()
+        if self.heartbeats is not None:
+            self.heartbeats.close()
         if self.notifier is not None:
             self.notifier.close()

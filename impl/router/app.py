@@ -20,6 +20,7 @@ Routes::
     GET  /health                                  open; 503 unless >= 1 healthy P and D
     GET  /metrics                                 open, or Bearer $BIDIKV_METRICS_TOKEN if set
     POST /internal/kv_params                      per-request token of impl.router.notify
+    POST /v1/conversations/{id}/heartbeat         tenant API key; relayed to D's lease, see impl.router.heartbeat
 
 Clients never see a stack trace: validation errors are 400s naming the field, anything unexpected
 is logged here and answered with a bare 500.
@@ -47,6 +48,7 @@ from aiohttp import web
 
 from impl.policy import ConversationStore
 from impl.router.config import RouterConfig
+from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, error_response
@@ -75,6 +77,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.store = ConversationStore(max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s)
         self.hub = NotifyHub()
+        self.heartbeats = HeartbeatRelay(config, tenants, self.store, self.metrics)
         rng = random.Random(config.seed)
         self.prefill = UpstreamPool("prefill", config.prefill, make_placement(config.placement), rng)
         self.decode = UpstreamPool("decode", config.decode, make_placement(config.placement), rng)
@@ -102,8 +105,10 @@ class Router:
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()
+        await self.heartbeats.start()
 
     async def stop(self) -> None:
+        await self.heartbeats.stop()
         if self.prober is not None:
             await self.prober.stop()
         if self.proxy is not None:
@@ -202,6 +207,7 @@ class Router:
             return self._notify_result("malformed", error_response(400, str(e), "invalid_request_error", e.field))
         result = self.hub.deliver(turn, token, notification)
         if result is Delivery.ACCEPTED:
+            self.heartbeats.learn(notification)  # where this D takes heartbeats, if it listens
             return self._notify_result("accepted", web.Response(status=204))
         messages = {Delivery.BAD_TOKEN: "wrong token", Delivery.UNKNOWN_TURN: "unknown or finished turn",
                     Delivery.DUPLICATE: "already notified"}
@@ -226,6 +232,7 @@ def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Map
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post(NOTIFY_PATH, router.kv_params)
+    app.router.add_post(HEARTBEAT_ROUTE, router.heartbeats.handle)
 
     async def lifecycle(_app: web.Application):
         await router.start()

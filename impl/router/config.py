@@ -47,6 +47,7 @@ class RouterConfig:
     notify_wait_s: float = 2.0  # how long after D's stream ends to wait for that notification
     decoder_kv_blocks_ttl_s: float = 480.0  # must equal D's decoder_kv_blocks_ttl
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
+    heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
@@ -66,7 +67,7 @@ class RouterConfig:
         if self.upstream_max_connections < 0:
             raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s"):
+                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -112,6 +113,7 @@ FLAG_HELP: dict[str, str] = {
     "notify_wait_s": "how long to wait for D's notification after its stream ended",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl (how long D keeps a turn's blocks)",
     "expiry_margin_s": "do not offer blocks this close to their expiry",
+    "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
     "loop": "event loop implementation",
     "log_level": "logging level",

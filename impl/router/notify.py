@@ -22,7 +22,13 @@ D's connector -> router, once per request, only when it retains the blocks for a
     POST <url>   Content-Type: application/json
     {"turn": "<turn id>", "token": "<secret>",
      "kv_transfer_params": {<exactly the dict request_finished returns>},
-     "expires_in_s": <seconds until D frees the blocks, optional>}
+     "expires_in_s": <seconds until D frees the blocks, optional>,
+     "heartbeat_url": "<http://host:port/bidikv/heartbeat of D's listener, optional>"}
+
+``heartbeat_url`` (optional, added compatibly within version 1: older routers ignore it) is where
+the router relays a conversation's heartbeats (:mod:`impl.router.heartbeat`,
+:mod:`impl.connector.heartbeat`); D sends it only when it runs the listener
+(``bidikv_heartbeat_port``).
 
 ``expires_in_s`` exists because ``remote_blocks_expiry_time`` is D's ``time.perf_counter()``, which
 means nothing on the router's clock; without it the router assumes ``decoder_kv_blocks_ttl_s`` from
@@ -57,6 +63,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 NOTIFY_KEY = "bidikv_notify"
 CONTRACT_VERSION = 1
@@ -68,6 +75,7 @@ class Notification:
     kv_params: dict[str, Any]
     expires_in_s: float | None
     received_at: float  # monotonic
+    heartbeat_url: str | None = None  # D's heartbeat listener, when it runs one
 
 
 class Delivery(enum.Enum):
@@ -161,4 +169,19 @@ def parse_notification(body: Any, now: float | None = None) -> tuple[str, str, N
         if isinstance(expires_in, bool) or not isinstance(expires_in, (int, float)) or not math.isfinite(expires_in) or expires_in < 0:
             raise NotifyError("expires_in_s", "must be a finite number >= 0")
         expires_in = float(expires_in)
-    return turn, token, Notification(params, expires_in, time.monotonic() if now is None else now)
+    heartbeat_url = body.get("heartbeat_url")
+    if heartbeat_url is not None and not _is_http_url(heartbeat_url):
+        raise NotifyError("heartbeat_url", "must be an http(s) URL with a host and port, of at most 512 characters")
+    return turn, token, Notification(params, expires_in, time.monotonic() if now is None else now, heartbeat_url)
+
+
+def _is_http_url(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) > 512:
+        return False
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:  # a port out of range or not a number
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None \
+        and not parts.username and not parts.password and not parts.query and not parts.fragment

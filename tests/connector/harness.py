@@ -178,10 +178,12 @@ class FakeNotifier:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[Any, dict[str, Any], float | None]] = []
+        self.heartbeat_urls: list[str | None] = []
         self.closed = False
 
-    def submit(self, target, kv_params, expires_in_s):
+    def submit(self, target, kv_params, expires_in_s, heartbeat_url=None):
         self.submitted.append((target, copy.deepcopy(kv_params), expires_in_s))
+        self.heartbeat_urls.append(heartbeat_url)
         return True
 
     def close(self, timeout_s: float = 2.0) -> None:

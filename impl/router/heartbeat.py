@@ -1,0 +1,279 @@
+"""Client heartbeats: ``POST /v1/conversations/{conversation_id}/heartbeat``, relayed to the D holding the KV.
+
+Under the ``lease`` retention (:class:`impl.policy.HeartbeatLease`, ``bidikv_retention: "lease"`` on
+D) D frees a finished turn's blocks ``lease_s`` after the last heartbeat, so a conversation that goes
+idle stops pinning decode memory within one lease instead of a whole TTL. A client (or the agent
+framework driving it) heartbeats while the conversation is live, every ``heartbeat_interval_s``
+(D's answer says how often); this module carries each heartbeat to D and brings the new expiry back.
+
+Per heartbeat:
+
+1. Authenticate like completions (tenant API key). The conversation is looked up under the key's
+   tenant only; unknown, expired and another tenant's ids all get the same 404, so an id's existence
+   never leaks across tenants.
+2. Find D's listener: D's connector sends its ``heartbeat_url`` in the notification of every retained
+   turn (:mod:`impl.router.notify`), remembered here per ``remote_engine_id`` (a listener belongs to
+   one engine core). With ``rewrite_remote_host`` its host is replaced by the D instance's HTTP host,
+   as ``remote_host`` is (D advertises ``VLLM_NIXL_SIDE_CHANNEL_HOST``, often ``localhost``).
+3. POST ``{"request_id", "engine_id"}`` to it (:mod:`impl.connector.heartbeat` has the protocol).
+   D applies its retention policy's ``renew`` and answers the expiry it now enforces.
+4. Update the stored entry: its expiry on the router's clock (send time + D's ``expires_in_s``: D's
+   clock read the answer later than we sent, so this never overestimates) and
+   ``remote_blocks_expiry_time`` in its params (D's clock, forwarded to P, which declines a read
+   within 5 s of it: without the update P would decline a renewed conversation's read).
+
+Answers: 200 ``{"conversation_id", "renewed", "expires_in_s", ...}`` (``renewed`` false when D's
+policy is not a lease, when the lease is at its ``max_hold_s`` cap, or when D runs no listener --
+then the blocks live out their fixed expiry); 410 when D no longer holds the blocks (the entry is
+dropped: the next turn recomputes); 404 unknown; 401; 400 naming the field; 503 D unreachable or
+busy, 504 D timed out, 502 D answered nonsense -- in all three the entry is left as it was.
+
+Separate from the turn path on purpose: its own small aiohttp session (D's listener is another port,
+one request per connection), and nothing here runs for completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import math
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+from aiohttp import web
+
+from impl.policy import ConversationEntry, ConversationStore
+from impl.router.config import RouterConfig
+from impl.router.metrics import Counter, RouterMetrics
+from impl.router.notify import Notification
+from impl.router.proxy import error_response
+from impl.router.request import RequestError, parse_json_body
+from impl.router.tenants import Tenants
+
+log = logging.getLogger("bidikv.router")
+
+HEARTBEAT_ROUTE = "/v1/conversations/{conversation_id}/heartbeat"
+METRIC_ROUTE = "/v1/conversations/{id}/heartbeat"  # the requests_total label: never the id itself
+MAX_ENGINES = 4096  # listener URLs remembered (engine ids change when a D restarts)
+_NOT_FOUND = "unknown conversation (never stored under this API key, expired, or evicted)"
+
+
+class HeartbeatDirectory:
+    """``remote_engine_id`` -> D's heartbeat URL, learnt from D's notifications; LRU-bounded."""
+
+    def __init__(self, max_engines: int = MAX_ENGINES) -> None:
+        self.max_engines = max_engines
+        self._urls: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def learn(self, notification: Notification) -> None:
+        engine = notification.kv_params.get("remote_engine_id")
+        if notification.heartbeat_url is None or not isinstance(engine, str) or not engine:
+            return
+        self._urls[engine] = notification.heartbeat_url
+        self._urls.move_to_end(engine)
+        while len(self._urls) > self.max_engines:
+            self._urls.popitem(last=False)
+
+    def url_for(self, engine_id: Any) -> str | None:
+        return self._urls.get(engine_id) if isinstance(engine_id, str) else None
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+
+class _RelayFailure(Exception):
+    def __init__(self, status: int, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.outcome, self.message = status, outcome, message
+
+
+class HeartbeatRelay:
+    def __init__(self, config: RouterConfig, tenants: Tenants, store: ConversationStore, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock  # the store's clock (the turn proxy's: time.monotonic)
+        self.directory = HeartbeatDirectory()
+        self.outcomes: Counter = metrics.registry.add(Counter(
+            "bidikv_router_heartbeats_total",
+            "Client heartbeats, by outcome (renewed; not_renewed: D held the blocks but its policy did not "
+            "extend them; no_listener; not_held; not_found; unauthenticated; invalid; unreachable; timeout; "
+            "busy; bad_answer; superseded).", ("outcome",)))
+        self.timeout = aiohttp.ClientTimeout(total=config.heartbeat_timeout_s,
+                                             sock_connect=min(config.connect_timeout_s, config.heartbeat_timeout_s))
+        self.session: aiohttp.ClientSession | None = None
+
+    def learn(self, notification: Notification) -> None:
+        self.directory.learn(notification)
+
+    async def start(self) -> None:
+        # D's listener answers one request per connection: no keep-alive pool to manage
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, force_close=True),
+                                             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # -- the endpoint ------------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.Response:
+        try:
+            response, outcome = await self._handle(request)
+        except Exception:
+            log.exception("unhandled error on %s", METRIC_ROUTE)
+            response, outcome = error_response(500, "internal router error", "internal_error"), "error"
+        self.outcomes.inc(outcome)
+        self.metrics.requests.inc(METRIC_ROUTE, str(response.status))
+        return response
+
+    async def _handle(self, request: web.Request) -> tuple[web.Response, str]:
+        tenant = self.tenants.tenant_for(request.headers.get("Authorization"))
+        if tenant is None:
+            return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                  "authentication_error"), "unauthenticated"
+        try:
+            conversation_id = self._conversation_id(request.match_info.get("conversation_id", ""))
+            raw = await request.read()
+            if raw.strip():
+                parse_json_body(raw)  # an optional JSON object; no field is read yet, so none can be wrong
+        except RequestError as e:
+            return error_response(e.status, e.message, "invalid_request_error", e.field), "invalid"
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                                  "invalid_request_error", "body"), "invalid"
+
+        entry = self.store.get(tenant, conversation_id)  # tenant-scoped: another tenant's id is None too
+        now = self.clock()
+        if entry is None or now >= entry.expires_at:
+            return error_response(404, _NOT_FOUND, "not_found_error", "conversation_id"), "not_found"
+        url = self._listener_url(entry)
+        if url is None:
+            # D runs no listener (or never told us): its blocks live out the expiry it published
+            return self._ok(conversation_id, entry, now, renewed=False, reason="no_heartbeat_listener"), "no_listener"
+
+        sent_at = self.clock()
+        try:
+            answer = await self._relay(url, entry)
+        except _RelayFailure as e:
+            self.metrics.upstream_errors.inc(entry.decode_instance, "decode", f"heartbeat_{e.outcome}")
+            kind = "service_unavailable" if e.status == 503 else "upstream_error"
+            return error_response(e.status, e.message, kind), e.outcome
+
+        current = self.store.get(tenant, conversation_id)
+        now = self.clock()
+        if current is not entry:
+            # a newer turn replaced (or the store dropped) the entry while D answered: D renewed blocks
+            # nobody will read again, and the newer entry's expiry is D's fresh one
+            if current is None:
+                return error_response(404, _NOT_FOUND, "not_found_error", "conversation_id"), "not_found"
+            return self._ok(conversation_id, current, now, renewed=False, reason="superseded"), "superseded"
+        if answer["status"] == "not_held":
+            # read by a next turn already, or expired on D: offering it again would only be declined
+            self.store.forget(tenant, conversation_id)
+            return error_response(410, "the decode instance no longer holds this conversation's KV "
+                                       f"({answer.get('reason', 'unknown')}); the next turn recomputes it",
+                                  "not_held", "conversation_id"), "not_held"
+        expires_at = sent_at + answer["expires_in_s"]
+        if answer["renewed"] and expires_at > entry.expires_at:
+            params = dict(entry.kv_params)
+            params["remote_blocks_expiry_time"] = answer["expiry_time"]
+            entry = dataclasses.replace(entry, kv_params=params, expires_at=expires_at)
+            self.store.record_success(tenant, conversation_id, entry, now)
+            outcome, renewed = "renewed", True
+        else:
+            outcome, renewed = "not_renewed", False
+        extra = {"retention": answer.get("retention")}
+        if answer.get("heartbeat_interval_s") is not None:
+            extra["heartbeat_interval_s"] = answer["heartbeat_interval_s"]
+        return self._ok(conversation_id, entry, now, renewed=renewed, **extra), outcome
+
+    def _conversation_id(self, value: str) -> str:
+        if not value or len(value) > self.config.max_conversation_id_len:
+            raise RequestError("conversation_id", f"must be 1..{self.config.max_conversation_id_len} characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("conversation_id", "contains an unpaired surrogate (not valid Unicode text)") from None
+        return value
+
+    def _listener_url(self, entry: ConversationEntry) -> str | None:
+        url = self.directory.url_for(entry.kv_params.get("remote_engine_id"))
+        if url is None or not self.config.rewrite_remote_host:
+            return url
+        host = urlsplit(entry.decode_instance).hostname
+        if not host:
+            return url
+        parts = urlsplit(url)
+        if ":" in host:
+            host = f"[{host}]"
+        return urlunsplit((parts.scheme, f"{host}:{parts.port}", parts.path, "", ""))
+
+    def _ok(self, conversation_id: str, entry: ConversationEntry, now: float, *, renewed: bool,
+            **extra: Any) -> web.Response:
+        left = max(0.0, entry.expires_at - now)
+        body = {"conversation_id": conversation_id, "renewed": renewed, "expires_in_s": round(left, 3),
+                "expires_at": round(time.time() + left, 3)}  # wall clock, for clients; the store keeps monotonic
+        body.update({k: v for k, v in extra.items() if v is not None})
+        return web.json_response(body)
+
+    async def _relay(self, url: str, entry: ConversationEntry) -> dict[str, Any]:
+        """D's validated answer, or _RelayFailure (503 unreachable/busy, 504 timeout, 502 nonsense)."""
+        if self.session is None:
+            raise _RelayFailure(503, "unreachable", "the router is not started")
+        payload = json.dumps({"request_id": entry.kv_params.get("remote_request_id"),
+                              "engine_id": entry.kv_params.get("remote_engine_id")}).encode()
+        try:
+            async with self.session.post(url, data=payload, headers={"Content-Type": "application/json"},
+                                         timeout=self.timeout) as resp:
+                status = resp.status
+                raw = await resp.content.read(64 * 1024)
+        except aiohttp.ClientConnectorError:
+            raise _RelayFailure(503, "unreachable", "the decode instance holding this conversation is unreachable") from None
+        except asyncio.TimeoutError:
+            raise _RelayFailure(504, "timeout", "the decode instance holding this conversation did not answer in time") from None
+        except aiohttp.ClientError as e:
+            raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener failed ({type(e).__name__})") from None
+        if status == 503:
+            raise _RelayFailure(503, "busy", "the decode instance is busy; heartbeat again shortly")
+        answer = _parse_answer(raw) if status == 200 else None
+        if answer is None:
+            raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener answered HTTP {status} "
+                                                   "without a valid answer")
+        return answer
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _parse_answer(raw: bytes) -> dict[str, Any] | None:
+    """D's answer (impl.connector.heartbeat's protocol) if well-formed, else None."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(answer, dict):
+        return None
+    if answer.get("status") == "not_held":
+        return answer
+    if answer.get("status") != "held" or not isinstance(answer.get("renewed"), bool):
+        return None
+    if not _finite(answer.get("expires_in_s")) or answer["expires_in_s"] < 0 or not _finite(answer.get("expiry_time")):
+        return None
+    interval = answer.get("heartbeat_interval_s")
+    if interval is not None and not (_finite(interval) and interval > 0):
+        answer.pop("heartbeat_interval_s")
+    if not isinstance(answer.get("retention"), str):
+        answer.pop("retention", None)
+    return answer
+
+
+__all__ = ["HEARTBEAT_ROUTE", "HeartbeatDirectory", "HeartbeatRelay"]
