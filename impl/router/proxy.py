@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
@@ -43,6 +42,8 @@ from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest
 from impl.router.sse import SSEError, SSESplitter, format_event
+from impl.router.upstream_http import (UpstreamClient, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
+                                       UpstreamResponse)
 from impl.router.upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger("bidikv.router")
@@ -58,8 +59,9 @@ FRESH_TURN_PARAMS: dict[str, Any] = {
 # Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
 # A pooled keep-alive connection the upstream closed meanwhile (vLLM's uvicorn drops idle ones after
-# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) fails like this before any response: retried, the instance is fine.
-_STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) fails before any response byte (UpstreamDisconnected with
+# response_started false): retried on the same instance, which is fine. uvicorn closes a connection
+# only between requests, so such a request never reached vLLM and re-sending the POST is safe.
 STALE_RETRIES = 2
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -92,11 +94,16 @@ class PrefillResult:
 
 
 class TurnProxy:
-    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, prefill: UpstreamPool, decode: UpstreamPool,
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession | None, prefill: UpstreamPool, decode: UpstreamPool,
                  store: ConversationStore, hub: NotifyHub, metrics: RouterMetrics, upstream_headers: dict[str, str],
-                 notify_url: Callable[[], str | None], clock: Callable[[], float] = time.monotonic) -> None:
+                 notify_url: Callable[[], str | None], clock: Callable[[], float] = time.monotonic,
+                 client: UpstreamClient | None = None) -> None:
         self.config = config
-        self.session = session
+        self.session = session  # aiohttp's: health probes and /v1/models (see app.py); not on a turn's path
+        # P and D calls: the router's own HTTP/1.1 client (impl.router.upstream_http says why)
+        self.client = client if client is not None else UpstreamClient(
+            max_connections_per_host=config.upstream_max_connections, keepalive_s=config.upstream_keepalive_s,
+            connect_timeout_s=config.connect_timeout_s)
         self.prefill = prefill
         self.decode = decode
         self.store = store
@@ -105,9 +112,6 @@ class TurnProxy:
         self.upstream_headers = upstream_headers
         self.notify_url = notify_url
         self.clock = clock
-        self.prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s)
-        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                                    sock_read=config.decode_idle_timeout_s)
         # which P last prefilled a conversation (its prefix cache likely holds it): KV-aware placement input
         self._affinity: collections.OrderedDict[tuple[str, str], tuple[str, int]] = collections.OrderedDict()
         self.recorder = TurnRecorder(config, store, hub, metrics, clock)
@@ -208,11 +212,14 @@ class TurnProxy:
             upstream.in_flight += 1
             upstream.in_flight_tokens += turn.estimated_tokens
             try:
-                async with self.session.post(upstream.url_for(turn.endpoint), data=payload, headers=headers,
-                                             timeout=self.prefill_timeout) as resp:
+                resp = await self.client.request("POST", upstream.url_for(turn.endpoint), payload, headers,
+                                                 timeout=self.config.prefill_timeout_s)
+                try:
                     status = resp.status
                     raw = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                finally:
+                    resp.release()
+            except UpstreamError as e:
                 last_failure, retry_same = self._connection_failure("prefill", self.prefill, upstream, e, stale_retries)
                 if retry_same:
                     stale_retries -= 1
@@ -261,23 +268,24 @@ class TurnProxy:
         other instance serves, and whether to retry the same instance (a keep-alive connection the
         server had already closed, up to ``STALE_RETRIES`` times)."""
         when = " before answering" if role == "decode" else ""  # D's answer is streamed: say it had not begun
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, UpstreamConnectError):
             self.metrics.upstream_errors.inc(upstream.name, role, "unreachable")
             pool.mark_down(upstream, type(exc).__name__)
             return UpstreamFailure(503, f"no {role} instance is reachable"), False
-        if isinstance(exc, _STALE_CONNECTION_ERRORS):
+        if isinstance(exc, UpstreamDisconnected) and not exc.response_started:
             self.metrics.upstream_errors.inc(upstream.name, role, "disconnected")
             if not stale_retries:
                 pool.mark_down(upstream, type(exc).__name__)
             return UpstreamFailure(502, f"{role} instance disconnected{when}"), bool(stale_retries)
-        if isinstance(exc, asyncio.TimeoutError):
+        if isinstance(exc, TimeoutError):  # UpstreamTimeout: connecting, or P's whole exchange
             self.metrics.upstream_errors.inc(upstream.name, role, "timeout")
             return UpstreamFailure(504, f"{role} timed out{when}"), False
+        # malformed, oversized, or cut after the response had begun
         self.metrics.upstream_errors.inc(upstream.name, role, "protocol")
         return UpstreamFailure(502, f"{role} failed ({type(exc).__name__})"), False
 
     # -- 3./4. decode -----------------------------------------------------------------------------
-    async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Upstream]:
+    async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]) -> tuple[UpstreamResponse, Upstream]:
         """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough."""
         tried: set[str] = set()
         stale_retries = STALE_RETRIES
@@ -288,9 +296,9 @@ class TurnProxy:
                 raise last_failure
             tried.add(upstream.name)
             try:
-                resp = await self.session.post(upstream.url_for(turn.endpoint), data=payload, headers=headers,
-                                               timeout=self.decode_timeout)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                resp = await self.client.request("POST", upstream.url_for(turn.endpoint), payload, headers,
+                                                 idle_timeout=self.config.decode_idle_timeout_s)
+            except UpstreamError as e:
                 last_failure, retry_same = self._connection_failure("decode", self.decode, upstream, e, stale_retries)
                 if retry_same:
                     stale_retries -= 1
@@ -300,7 +308,7 @@ class TurnProxy:
                 return resp, upstream
             try:
                 raw = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except UpstreamError:
                 raw = b""
             finally:
                 resp.release()
@@ -319,8 +327,8 @@ class TurnProxy:
             return e.response, None, None
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "cut"
+        except UpstreamError as e:
+            kind = "timeout" if isinstance(e, TimeoutError) else "cut"
             self.metrics.upstream_errors.inc(upstream.name, "decode", kind)
             return error_response(502, "decode failed while answering", "upstream_error"), None, None
         finally:
@@ -353,7 +361,7 @@ class TurnProxy:
             await out.prepare(request)
             splitter = SSESplitter()
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp:  # whatever of D's body has arrived
                     events = splitter.feed(chunk)
                     if not events:
                         continue
@@ -376,9 +384,9 @@ class TurnProxy:
                     failure = "cut"
             except SSEError:
                 failure = "oversized_event"
-            except asyncio.TimeoutError:
+            except TimeoutError:  # UpstreamTimeout: D silent for decode_idle_timeout_s
                 failure = "timeout"
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            except UpstreamError:  # closed, reset or malformed chunk framing mid-stream
                 failure = "cut"
             if failure is None and not capture.done:
                 failure = "no_done"
@@ -403,6 +411,7 @@ class TurnProxy:
 
     async def close(self) -> None:
         await self.recorder.close()
+        await self.client.close()
 
 
 class _PassThrough(Exception):
