@@ -44,6 +44,8 @@ BAD = [
     (_set("decode.host", "0.0.0.0"), "decode.host", "wildcard"),
     (_set("prefill.side_chanel_port", 5600), "prefill.side_chanel_port", "unknown setting"),
     (_set("routr", {"port": 1}), "routr", "unknown section"),
+    (lambda c: c["connector"].update(bidikv_retention="lease", bidikv_heartbeat_port=8200),
+     "connector.bidikv_heartbeat_port", "already decode.http_port"),
     (_set("connector.bidirectional_kv_xfer", True), "connector.bidirectional_kv_xfer", "--mode"),
     (_set("connector.backends", ["UCX"]), "connector.backends", "[transfer]"),
     (_set("connector.bidikv_retention", "forever"), "connector.bidikv_retention", "must be one of"),
