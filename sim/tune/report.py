@@ -32,6 +32,9 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
     return "\n".join(lines)
 
 
+HEARTBEAT_PORT = 8200  # D's heartbeat listener in the recommended settings (impl.connector.heartbeat)
+
+
 def vllm_settings(point: Point, profile_name: str = "<profile name or path>") -> dict[str, Any]:
     """``--kv-transfer-config`` for P and D (keys of impl.connector.config), and the router command."""
     pol = point.candidate.policy
@@ -48,8 +51,10 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>") ->
         ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
         d_extra["decoder_kv_blocks_ttl"] = "inf" if math.isinf(ttl) else ttl
     elif retention == "lease":
+        # the listener the router relays client heartbeats to; without it a lease is a fixed TTL
         d_extra.update(bidikv_retention="lease", bidikv_lease_s=pol["lease_s"],
-                       bidikv_heartbeat_interval_s=pol["heartbeat_interval_s"])
+                       bidikv_heartbeat_interval_s=pol["heartbeat_interval_s"],
+                       bidikv_heartbeat_port=HEARTBEAT_PORT)
     elif retention == "gap_quantile":
         d_extra.update(bidikv_retention="gap_quantile", bidikv_gap_quantile=pol["gap_quantile"])
     base = {"kv_connector": "NixlConnector"}
@@ -63,9 +68,11 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>") ->
         router += ["--decoder-kv-blocks-ttl-s", "inf" if math.isinf(ttl) else f"{ttl:g}"]
     out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode, "router_command": " ".join(router)}
     if retention == "lease":
-        out["caveat"] = ("the connector implements the lease (impl.connector scheduler renew()), but no transport yet "
-                         "carries client heartbeats from the router to D: until it does, a lease behaves as a "
-                         f"{pol['lease_s']:g} s TTL in deployment")
+        out["caveat"] = (f"the lease is renewed only by heartbeats: D listens on bidikv_heartbeat_port ({HEARTBEAT_PORT} "
+                         "here: any port the router can reach, plus the engine's data-parallel index) and tells the "
+                         "router in its notifications; clients POST /v1/conversations/{id}/heartbeat to the router "
+                         f"every {pol['heartbeat_interval_s']:g} s while a conversation is live. A client that does "
+                         f"not heartbeat gets a {pol['lease_s']:g} s TTL")
     return out
 
 

@@ -92,6 +92,10 @@ def test_vllm_settings_are_valid_json_for_vllm_and_ours():
     assert plain["prefill_kv_transfer_config"]["kv_load_failure_policy"] == "recompute"
     lease = vllm_settings(analyse_one({"retention": "lease", "lease_s": 30.0, "heartbeat_interval_s": 10.0}))
     assert lease["decode_kv_transfer_config"]["kv_connector_module_path"] == "impl.connector"
+    # a lease without D's heartbeat listener would be a fixed TTL: the recommendation turns it on
+    assert lease["decode_kv_transfer_config"]["kv_connector_extra_config"]["bidikv_heartbeat_port"] > 0
+    assert "/v1/conversations/{id}/heartbeat" in lease["caveat"] and "every 10 s" in lease["caveat"]
+    assert "bidikv_heartbeat_port" not in plain["decode_kv_transfer_config"]["kv_connector_extra_config"]
     json.dumps(lease)
 
 
