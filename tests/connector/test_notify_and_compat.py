@@ -57,6 +57,11 @@ def test_posts_the_contract_body_the_router_parses(router):
     assert (turn, token) == ("turn-7", "tok")
     assert notification.kv_params["remote_block_ids"] == [[1, 2, 3]] and notification.expires_in_s == 479.5
     assert notifier.stats.delivered == 1
+    assert notification.heartbeat_url is None  # no listener: the field is absent
+    hb = "http://d0:8200/bidikv/heartbeat"
+    assert notifier.submit(NotifyTarget(url + "/internal/kv_params", "turn-8", "tok"), params, 30.0, heartbeat_url=hb)
+    assert notifier.flush(5.0)
+    assert parse_notification(handler.received[-1][2])[2].heartbeat_url == hb
     notifier.close()
 
 
