@@ -12,8 +12,11 @@ this 2-core machine:
   virtual user, a raw HTTP/1.1 client (again: cheap, so the router is what is measured);
 * each concurrency level run twice against the router and twice against the upstream directly
   (one D call, no P): added TTFT = router percentile - direct percentile;
-* router CPU ms/request from /proc/<pid>/stat (utime + stime) over the measured window;
-* upstream connections opened during the window (reused, not reopened: should stay ~0).
+* router CPU ms/request from /proc/<pid>/stat (utime + stime) over the measured window, and the
+  router's involuntary context switches per 1,000 requests (how often something else took its core:
+  the cause of latency tails when the machine is busy) next to the 1-minute load average;
+* upstream connections opened during the window for turns (reused, not reopened: should stay 0),
+  counted apart from those the router's health probes open.
 
 Run: ``.venv/bin/python benchmarks/router_overhead.py [--duration 5] [--levels 1,50,500] [--loop uvloop]``
 """
@@ -71,13 +74,14 @@ P_RESPONSE = _json_response({"id": "cmpl-p", "object": "chat.completion", "model
                                                     "remote_request_id": "p-bench", "remote_host": "127.0.0.1",
                                                     "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 500}})
 D_RESPONSE = _d_response()
-STATS = {"connections": 0, "requests": 0}
+STATS = {"connections": 0, "requests": 0, "turn_connections": 0, "health_connections": 0}
 
 
 class UpstreamProtocol(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         self.buf = b""
+        self.counted = False
         STATS["connections"] += 1
 
     def data_received(self, data):
@@ -99,6 +103,12 @@ class UpstreamProtocol(asyncio.Protocol):
             self.buf = self.buf[end:]
             path = head.split(b" ", 2)[1]
             STATS["requests"] += 1
+            if not self.counted:  # what this connection was opened for
+                self.counted = True
+                if path.startswith(b"/v1/"):
+                    STATS["turn_connections"] += 1
+                elif path.startswith(b"/health"):
+                    STATS["health_connections"] += 1
             if path == b"/stats":
                 self.transport.write(_json_response(STATS))
             elif path.startswith(b"/health"):
@@ -223,6 +233,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def involuntary_switches(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 async def fetch_stats(port: int) -> dict:
     client = RawClient("127.0.0.1", port)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -244,13 +265,15 @@ async def run_level(port: int, via_router: bool, concurrency: int, warmup: float
 
     async def measure():
         await asyncio.sleep(max(0.0, record_from - time.perf_counter()))
-        return (cpu_seconds(router_pid) if router_pid else 0.0), (await fetch_stats(upstream_port))
+        return ((cpu_seconds(router_pid), involuntary_switches(router_pid)) if router_pid else (0.0, 0)), \
+            (await fetch_stats(upstream_port))
 
     measurer = asyncio.ensure_future(measure())
     counts = await asyncio.gather(*(user_loop(i, port, via_router, stop_at, record_from, samples) for i in range(concurrency)))
-    cpu0, stats0 = await measurer
+    (cpu0, switches0), stats0 = await measurer
     window = time.perf_counter() - record_from  # users finish their in-flight request after stop_at
     cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
+    switches1 = involuntary_switches(router_pid) if router_pid else 0
     stats1 = await fetch_stats(upstream_port)
     n = sum(counts)
     return {
@@ -258,7 +281,10 @@ async def run_level(port: int, via_router: bool, concurrency: int, warmup: float
         "ttft_p50_ms": pct(samples.ttft, 0.5) * 1e3, "ttft_p99_ms": pct(samples.ttft, 0.99) * 1e3,
         "total_p50_ms": pct(samples.total, 0.5) * 1e3, "total_p99_ms": pct(samples.total, 0.99) * 1e3,
         "router_cpu_ms_per_req": ((cpu1 - cpu0) / n * 1e3) if (router_pid and n) else None,
-        "upstream_connections_opened": stats1["connections"] - stats0["connections"] - 1,  # minus our stats probe
+        "router_preemptions_per_1k_req": ((switches1 - switches0) / n * 1e3) if (router_pid and n) else None,
+        "upstream_connections_opened": stats1["turn_connections"] - stats0["turn_connections"],
+        "health_probe_connections_opened": stats1["health_connections"] - stats0["health_connections"],
+        "load_avg_1m": load_average(),
     }
 
 
@@ -356,7 +382,8 @@ def main() -> int:
 
 
 def summarize(results: list[dict]) -> None:
-    print("\nconcurrency rep | router req/s | added TTFT p50/p99 ms | added total p50/p99 ms | router CPU ms/req | upstream conns opened | errors")
+    print("\nconcurrency rep | router req/s | added TTFT p50/p99 ms | added total p50/p99 ms | router CPU ms/req | upstream conns opened | errors"
+          " | preempted /1k req | load")
     by = {(r["target"], r["concurrency"], r["rep"]): r for r in results}
     for (target, c, rep), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if target != "router":
@@ -365,8 +392,9 @@ def summarize(results: list[dict]) -> None:
         cpu = r["router_cpu_ms_per_req"]
         print(f"{c:>11} {rep:>3} | {r['req_per_s']:>12.0f} | {r['ttft_p50_ms'] - d['ttft_p50_ms']:>8.2f} / {r['ttft_p99_ms'] - d['ttft_p99_ms']:<8.2f}"
               f" | {r['total_p50_ms'] - d['total_p50_ms']:>8.2f} / {r['total_p99_ms'] - d['total_p99_ms']:<8.2f}"
-              f" | {cpu if cpu is None else format(cpu, '.3f'):>17} | {r['upstream_connections_opened']:>21} | {r['errors']}"
-              f"   (direct: {d['req_per_s']:.0f} req/s, TTFT p50 {d['ttft_p50_ms']:.2f} ms)")
+              f" | {cpu if cpu is None else format(cpu, '.3f'):>17} | {r['upstream_connections_opened']:>21} | {r['errors']:>6}"
+              f" | {r['router_preemptions_per_1k_req']:>17.1f} | {r['load_avg_1m']:.2f}"
+              f"   (direct: {d['req_per_s']:.0f} req/s, TTFT p50 {d['ttft_p50_ms']:.2f} p99 {d['ttft_p99_ms']:.2f} ms)")
     levels = sorted({r["concurrency"] for r in results})
     if 50 in levels and 500 in levels:
         rps = {c: statistics.mean(r["req_per_s"] for r in results if r["target"] == "router" and r["concurrency"] == c) for c in (50, 500)}

@@ -35,6 +35,7 @@ host unless ``rewrite_remote_host`` is turned off.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -261,6 +262,10 @@ async def serve(config: RouterConfig, ready: Callable[[int], Awaitable[None] | N
     """Serve until SIGTERM/SIGINT (or cancellation), then drain and close upstream connections."""
     app = build_app(config)
     runner, port = await start_site(app, config.host, config.port)
+    # Everything allocated so far (modules, aiohttp's tables, the app) lives as long as the process:
+    # frozen, full collections stop re-traversing ~40k objects (a ~5-9 ms pause each on this machine)
+    gc.collect()
+    gc.freeze()
     log.info("router listening on %s:%d (P: %s; D: %s; placement %s; notify %s)", config.host, port,
              ", ".join(config.prefill), ", ".join(config.decode), config.placement, app[ROUTER_KEY].notify_url)
     if app[ROUTER_KEY].tenants.open:
