@@ -19,7 +19,7 @@ class BenchRecord:
     prompt_tokens: int
     output_tokens: int  # generated, as the server reported
     start_s: float  # since the run started
-    ttft_s: float
+    ttft_s: float  # NaN when no token arrived (a failed turn); null in the JSONL
     total_s: float
     reuse_offered_tokens: int  # router: tokens of D's KV offered to P (X-Bidikv-Reuse-Offered-Tokens)
     prefill_cached_tokens: int | None  # P: prompt tokens it did not compute (X-Bidikv-Prefill-Cached-Tokens)
@@ -36,7 +36,10 @@ class BenchRecord:
 def write_jsonl(records: Iterable[BenchRecord], path: str) -> None:
     with open(path, "w") as fh:
         for r in records:
-            fh.write(json.dumps(dataclasses.asdict(r), sort_keys=True) + "\n")
+            obj = dataclasses.asdict(r)
+            if math.isnan(obj["ttft_s"]):
+                obj["ttft_s"] = None  # NaN is not JSON; a reader in another language would choke on it
+            fh.write(json.dumps(obj, sort_keys=True, allow_nan=False) + "\n")
 
 
 _INT_FIELDS = ("turn", "prompt_tokens", "output_tokens", "reuse_offered_tokens")
@@ -71,8 +74,14 @@ def read_jsonl(path: str) -> list[BenchRecord]:
                 v = obj.get(name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ValueError(f"{where}: field {name} must be an integer >= 0, got {v!r}")
+            if obj.get("ttft_s", 0) is None:
+                if not obj.get("error"):
+                    raise ValueError(f"{where}: field ttft_s may be null only on a failed turn (with an error)")
+                obj["ttft_s"] = math.nan
             for name in _FLOAT_FIELDS:
                 v = obj.get(name)
+                if name == "ttft_s" and isinstance(v, float) and math.isnan(v) and obj.get("error"):
+                    continue
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or (math.isnan(v) if isinstance(v, float) else False):
                     raise ValueError(f"{where}: field {name} must be a number, got {v!r}")
             cached = obj.get("prefill_cached_tokens")

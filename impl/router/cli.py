@@ -82,7 +82,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                                    description="Route OpenAI-compatible requests through prefill (P) and decode (D) "
                                                "vLLM instances, reusing D's KV cache across the turns of a conversation.")
     add_arguments(parser)
-    parser.set_defaults(func=_run)
+    parser.set_defaults(run=_run)  # impl/cli.py's convention for every subcommand
     return parser
 
 
@@ -90,4 +90,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bidikv")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    return args.run(args)

@@ -58,3 +58,27 @@ def test_bad_bench_lines_are_named(tmp_path, line, field):
     path.write_text(json.dumps(good) + "\n" + line + "\n")
     with pytest.raises(ValueError, match=f"line 2.*{field}"):
         read_jsonl(str(path))
+
+
+def test_a_failed_turn_without_ttft_round_trips(tmp_path):
+    from impl.bench.records import BenchRecord, write_jsonl
+
+    failed = BenchRecord(conversation="c", turn=1, mode="on", prompt_tokens=10, output_tokens=0, start_s=1.0,
+                         ttft_s=float("nan"), total_s=0.5, reuse_offered_tokens=0, prefill_cached_tokens=None,
+                         error="HTTP 503: no decode instance")
+    path = tmp_path / "b.jsonl"
+    write_jsonl([failed], str(path))
+    assert '"ttft_s": null' in path.read_text()  # strict JSON, no NaN token
+    (back,) = read_jsonl(str(path))
+    assert back.error == failed.error and back.ttft_s != back.ttft_s  # NaN again
+
+
+def test_null_ttft_on_a_successful_turn_is_rejected(tmp_path):
+    path = tmp_path / "b.jsonl"
+    line = {"conversation": "c", "turn": 0, "mode": "on", "prompt_tokens": 10, "output_tokens": 2, "start_s": 0.0,
+            "ttft_s": None, "total_s": 0.2, "reuse_offered_tokens": 0, "prefill_cached_tokens": None,
+            "format": "bidikv-bench/1"}
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match="line 1.*ttft_s"):
+        read_jsonl(str(path))
+
