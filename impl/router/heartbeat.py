@@ -59,6 +59,7 @@ log = logging.getLogger("bidikv.router")
 
 HEARTBEAT_ROUTE = "/v1/conversations/{conversation_id}/heartbeat"
 METRIC_ROUTE = "/v1/conversations/{id}/heartbeat"  # the requests_total label: never the id itself
+MAX_ANSWER_BYTES = 64 * 1024
 MAX_ENGINES = 4096  # listener URLs remembered (engine ids change when a D restarts)
 _NOT_FOUND = "unknown conversation (never stored under this API key, expired, or evicted)"
 
@@ -234,7 +235,7 @@ class HeartbeatRelay:
             async with self.session.post(url, data=payload, headers={"Content-Type": "application/json"},
                                          timeout=self.timeout) as resp:
                 status = resp.status
-                raw = await resp.content.read(64 * 1024)
+                raw = await _read_bounded(resp, MAX_ANSWER_BYTES)
         except aiohttp.ClientConnectorError:
             raise _RelayFailure(503, "unreachable", "the decode instance holding this conversation is unreachable") from None
         except asyncio.TimeoutError:
@@ -243,11 +244,24 @@ class HeartbeatRelay:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener failed ({type(e).__name__})") from None
         if status == 503:
             raise _RelayFailure(503, "busy", "the decode instance is busy; heartbeat again shortly")
-        answer = _parse_answer(raw) if status == 200 else None
+        answer = _parse_answer(raw) if status == 200 and raw is not None else None
         if answer is None:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener answered HTTP {status} "
                                                    "without a valid answer")
         return answer
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None beyond ``limit`` bytes (D's answers are a few hundred bytes)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    parts, size = [], 0
+    async for chunk in resp.content.iter_chunked(8192):
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _finite(value: Any) -> bool:

@@ -40,7 +40,7 @@ def assistant(text: str) -> dict:
 class FakeLeaseDecode(FakeVllmUpstream):
     """Fake D with a lease and a fake heartbeat listener (see the module docstring)."""
 
-    # None | "down" (listener gone) | "slow" | "busy" (503) | "garbage" | "not_held" | "ttl" (held, never renewed)
+    # None | "down" (listener gone) | "slow" | "busy" (503) | "garbage" | "huge" | "not_held" | "ttl" (held, never renewed)
     hb_fault: str | None = None
     advertise: bool = True  # put heartbeat_url in the notification (the connector does when it listens)
     heartbeats: list[dict[str, Any]] = field(default_factory=list)
@@ -103,6 +103,10 @@ class FakeLeaseDecode(FakeVllmUpstream):
             return web.json_response({"status": "held", "renewed": False, "retention": "ttl", "expiry_time": expiry,
                                       "expires_in_s": expiry - now})
         self.held[rid] = expiry = max(expiry, now + RENEW_TO_S)
+        if self.hb_fault == "huge":  # a well-formed answer padded past any sane size
+            return web.Response(body=json.dumps({"status": "held", "renewed": True, "expiry_time": expiry,
+                                                 "expires_in_s": expiry - now}).encode() + b" " * 100_000,
+                                content_type="application/json")
         return web.json_response({"status": "held", "renewed": True, "retention": "lease", "expiry_time": expiry,
                                   "expires_in_s": expiry - now, "heartbeat_interval_s": 10.0})
 
@@ -205,7 +209,8 @@ async def test_an_expired_entry_is_unknown():
 
 
 @pytest.mark.parametrize("fault, status, outcome", [("down", 503, "unreachable"), ("slow", 504, "timeout"),
-                                                     ("busy", 503, "busy"), ("garbage", 502, "bad_answer")])
+                                                     ("busy", 503, "busy"), ("garbage", 502, "bad_answer"),
+                                                     ("huge", 502, "bad_answer")])
 async def test_d_failing_to_answer_is_a_clear_error_and_leaves_the_entry(fault, status, outcome):
     async with lease_deployment(heartbeat_timeout_s=0.5) as dep:
         _, entry = await first_turn(dep, "c")
