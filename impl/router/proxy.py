@@ -26,8 +26,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,6 +58,9 @@ FRESH_TURN_PARAMS: dict[str, Any] = {
 }
 # Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
+# The fields P's and D's bodies set differently. The rest of the client's body (the history: nearly
+# all its bytes) is JSON-encoded once per turn and shared by both (see _SharedBody).
+_PER_UPSTREAM_KEYS = frozenset(("stream", "max_tokens", "kv_transfer_params", "return_token_ids") + _PREFILL_DROP)
 # A pooled keep-alive connection the upstream closed meanwhile (vLLM's uvicorn drops idle ones after
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) fails before any response byte (UpstreamDisconnected with
 # response_started false): retried on the same instance, which is fine. uvicorn closes a connection
@@ -84,6 +87,29 @@ class UpstreamFailure(Exception):
 
     def response(self) -> web.Response:
         return error_response(self.status, self.message, "service_unavailable" if self.status == 503 else "upstream_error")
+
+
+class _SharedBody:
+    """A turn's body encoded once, for P's and D's variants of it.
+
+    Encoding a long conversation's history costs ~15 us per 2 KB here and the turn needs it twice (P
+    and D), so the fields the two differ in are encoded apart and spliced onto the shared part:
+    ``{"model": ..., "messages": [...], <own fields>}``. Only key order differs from encoding each
+    body whole; the values are the same.
+    """
+
+    __slots__ = ("own", "_head")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        common = {k: v for k, v in body.items() if k not in _PER_UPSTREAM_KEYS}
+        self.own = {k: v for k, v in body.items() if k in _PER_UPSTREAM_KEYS}  # the client's values of those
+        encoded = json.dumps(common)
+        self._head = encoded[:-1] + ", " if common else "{"  # the shared part, open for more fields
+
+    def encode(self, fields: dict[str, Any]) -> bytes:
+        if not fields:
+            return (self._head[:-2] + "}" if self._head != "{" else "{}").encode()
+        return (self._head + json.dumps(fields)[1:]).encode()
 
 
 @dataclass(slots=True)
@@ -120,12 +146,13 @@ class TurnProxy:
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
         key = (tenant, turn.conversation_id) if turn.conversation_id is not None else None
         offered = await self._lookup(turn, tenant, key)
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
         headers = dict(self.upstream_headers)
         headers["X-Request-Id"] = request_id
+        shared = _SharedBody(turn.body)
 
         try:
-            prefill = await self._prefill(turn, offered, headers, key)
+            prefill = await self._prefill(turn, shared, offered, headers, key)
         except UpstreamFailure as e:
             return e.response()
         except _PassThrough as e:
@@ -138,12 +165,12 @@ class TurnProxy:
         if url:
             token = self.hub.open(request_id)
             d_params[NOTIFY_KEY] = notify_field(url, request_id, token)
-        d_body = dict(turn.body)
+        d_fields = dict(shared.own)  # D gets the client's body as it was, plus:
         if d_params:
-            d_body["kv_transfer_params"] = d_params
+            d_fields["kv_transfer_params"] = d_params
         if turn.prompt_kind == "tokens" and storable:
-            d_body["return_token_ids"] = True
-        payload = json.dumps(d_body).encode()
+            d_fields["return_token_ids"] = True
+        payload = shared.encode(d_fields)
         # what this turn got, for clients that measure (bidikv bench): names and counts, never KV locations
         info = {"X-Bidikv-Prefill": prefill.upstream.name,
                 "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
@@ -180,11 +207,9 @@ class TurnProxy:
         return found.entry
 
     # -- 2. prefill -------------------------------------------------------------------------------
-    async def _prefill(self, turn: TurnRequest, offered: ConversationEntry | None, headers: dict[str, str],
-                       key: tuple[str, str] | None) -> PrefillResult:
-        body = dict(turn.body)
-        for name in _PREFILL_DROP:
-            body.pop(name, None)
+    async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
+                       headers: dict[str, str], key: tuple[str, str] | None) -> PrefillResult:
+        body = {k: v for k, v in shared.own.items() if k not in _PREFILL_DROP}  # P's own fields; the rest is shared
         body["stream"] = False
         body["max_tokens"] = 1
         reuse = offered is not None
@@ -208,7 +233,7 @@ class TurnProxy:
             if upstream is None:
                 raise last_failure
             tried.add(upstream.name)
-            payload = json.dumps(body).encode()
+            payload = shared.encode(body)
             upstream.in_flight += 1
             upstream.in_flight_tokens += turn.estimated_tokens
             try:

@@ -190,3 +190,25 @@ def test_metrics_render_prometheus_text():
     assert 'bidikv_router_ttft_seconds_bucket{le="0.0025"} 0' in text
     assert 'bidikv_router_ttft_seconds_bucket{le="0.005"} 1' in text
     assert "# TYPE bidikv_router_ttft_seconds histogram" in text
+
+
+# -- the body shared by P's and D's requests ----------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from impl.router.proxy import _PER_UPSTREAM_KEYS, _SharedBody  # noqa: E402
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                            max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["model", "messages", "temperature", 'a"b', *sorted(_PER_UPSTREAM_KEYS)]),
+                            _json_values, max_size=8),
+       extra=st.dictionaries(st.sampled_from(sorted(_PER_UPSTREAM_KEYS)), _json_values, max_size=3))
+def test_shared_body_encodes_the_same_object_as_the_whole_body(body, extra):
+    import json
+
+    shared = _SharedBody(body)
+    assert json.loads(shared.encode({**shared.own, **extra})) == {**body, **extra}
