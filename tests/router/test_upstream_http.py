@@ -518,3 +518,44 @@ async def test_router_turns_reuse_one_connection_per_upstream():
         stats = dep.router.proxy.client.stats
         assert stats.connections_opened == 2 and stats.requests == 12 and stats.reused == 10
         assert len(dep.p._peers) == 1 and len(dep.d._peers) == 1
+
+
+async def test_https_upstream(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(ok(b"secure"))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/health"
+    client = UpstreamClient(ssl_context=ssl.create_default_context(cafile=str(cert)))
+    for _ in range(2):
+        resp = await client.request("GET", url)
+        assert await resp.read() == b"secure"
+        resp.release()
+    assert client.stats.connections_opened == 1
+    await client.close()
+    untrusting = UpstreamClient()  # the default context does not trust a self-signed certificate
+    with pytest.raises(UpstreamConnectError):
+        await untrusting.request("GET", url)
+    await untrusting.close()
+    server.close()
