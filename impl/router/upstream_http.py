@@ -487,7 +487,10 @@ class UpstreamResponse:
         self._finished = True
         conn = self._conn
         conn.response = None
-        if self._phase == _COMPLETE and self._exc is None and self._keep_alive and not conn.closed:
+        # an answer that came before all of the request was sent (an early 4xx, say) leaves the
+        # connection mid-request: only a connection with nothing left to write goes back
+        if (self._phase == _COMPLETE and self._exc is None and self._keep_alive and not conn.closed
+                and not conn.transport.get_write_buffer_size()):  # type: ignore[union-attr]
             conn.pool._put_back(conn)
         else:
             conn.close()
@@ -739,8 +742,11 @@ class UpstreamClient:
                 self.stats.reused += 1
             response = UpstreamResponse(conn, loop, reused, method == "HEAD", deadline, idle_timeout)
             conn.response = response
-            conn.transport.write(data)  # type: ignore[union-attr]
             try:
+                try:
+                    conn.transport.write(data)  # type: ignore[union-attr]
+                except (RuntimeError, OSError) as e:  # closed under us (uvloop raises, asyncio drops the bytes)
+                    response._lost(e if isinstance(e, OSError) else None)
                 await response._read_head()
             except UpstreamDisconnected as e:
                 response.close()
