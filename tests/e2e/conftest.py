@@ -49,6 +49,7 @@ class E2E:
 
     deployment: Deployment
     log_dir: Path
+    model_dir: Path
     threshold: int = THRESHOLD
     decoder_ttl_s: float = DECODER_TTL_S
 
@@ -141,7 +142,7 @@ def e2e(tmp_path_factory) -> E2E:
     started = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _terminate)  # a CI timeout's SIGTERM still tears down
     deployment = start_deployment(model_dir, log_dir, spec)
-    env = E2E(deployment, log_dir)
+    env = E2E(deployment, log_dir, model_dir)
     try:
         _warm_up(env)
         print(f"\ne2e deployment ready in {time.monotonic() - started:.0f} s; logs in {log_dir}")

@@ -269,6 +269,8 @@ class DeploymentSpec:
     router: bool = True
     env: dict[str, str] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
+    prefill_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags for P only
+    max_model_len: int = 2048
     decode_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -298,12 +300,12 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
     p_extra = {**common, **spec.prefill_extra}
     d_extra = {**common, "decoder_kv_blocks_ttl": spec.decoder_ttl_s, **spec.decode_extra}
     prefill = Process("prefill", p_port, vllm_cmd(model_dir, p_port, kv_transfer_config(
-        "kv_producer", p_extra, recompute_on_failure=True)), server_env(p_side, {**spec.env, **spec.prefill_env}), log_dir / "prefill.log")
+        "kv_producer", p_extra, recompute_on_failure=True), spec.max_model_len) + spec.prefill_args, server_env(p_side, {**spec.env, **spec.prefill_env}), log_dir / "prefill.log")
     decode = Process("decode", d_port, vllm_cmd(model_dir, d_port, kv_transfer_config(
-        "kv_consumer", d_extra, recompute_on_failure=False)), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
+        "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
     reference = None
     if spec.reference:
-        reference = Process("reference", ref_port, vllm_cmd(model_dir, ref_port, None), server_env(None, spec.env),
+        reference = Process("reference", ref_port, vllm_cmd(model_dir, ref_port, None, spec.max_model_len), server_env(None, spec.env),
                             log_dir / "reference.log")
     router = router_process(prefill.url, decode.url, spec, log_dir, port=r_port) if spec.router else None
     deployment = Deployment(prefill, decode, reference, router, spec, log_dir)

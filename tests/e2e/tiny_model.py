@@ -63,8 +63,11 @@ def build_tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def build_tiny_model(out: Path, seed: int = 1234, max_position_embeddings: int = 4096) -> Path:
-    """Build (idempotently) the model directory ``out`` and return it."""
+def build_tiny_model(out: Path, seed: int = 1234, max_position_embeddings: int = 4096, hidden_size: int = 64,
+                     num_hidden_layers: int = 2) -> Path:
+    """Build (idempotently) the model directory ``out`` and return it. The defaults make the tests'
+    model; measurement scripts ask for a wider, deeper one so that recomputing a prompt costs
+    something measurable on a CPU."""
     out = Path(out)
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
@@ -76,12 +79,12 @@ def build_tiny_model(out: Path, seed: int = 1234, max_position_embeddings: int =
 
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=hidden_size // 16,
+        num_key_value_heads=max(hidden_size // 32, 1),
+        head_dim=32,  # the smallest vLLM's CPU attention takes
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
