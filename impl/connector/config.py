@@ -76,22 +76,29 @@ from impl.policy import (
 
 RECOMPUTE_POLICIES = ("fixed", "break_even")
 RETENTION_POLICIES = ("ttl", "lease", "gap_quantile")
+VLLM_DEFAULT_THRESHOLD = 64  # vLLM's kv_recompute_threshold (BRIEF.md)
 DEFAULT_NUM_THREADS = 1  # vLLM's default is 4; see bidikv_nixl_progress_thread and the README
 
-_LEASE_KEYS = {
-    "bidikv_lease_s": ("lease_s", 30.0),
-    "bidikv_heartbeat_interval_s": ("heartbeat_interval_s", 10.0),
-    "bidikv_lease_max_hold_s": ("max_hold_s", 3600.0),
-}
-_GAP_KEYS = {
-    "bidikv_gap_quantile": ("quantile", 0.9),
-    "bidikv_gap_cap_s": ("cap_s", 900.0),
-    "bidikv_gap_floor_s": ("floor_s", 10.0),
-    "bidikv_gap_initial_s": ("initial_s", None),  # None: decoder_kv_blocks_ttl
-    "bidikv_gap_min_samples": ("min_samples", 20),
-    "bidikv_gap_window": ("window", 2048),
-    "bidikv_gap_margin_s": ("margin_s", 5.0),
-}
+def _field_default(cls: type, name: str) -> Any:
+    """A dataclass field's default: the policies and ConnectorSettings are the one source of defaults."""
+    return cls.__dataclass_fields__[name].default  # type: ignore[attr-defined]
+
+
+# key -> (the policy's field, its default)
+_LEASE_KEYS = {key: (name, _field_default(HeartbeatLease, name)) for key, name in (
+    ("bidikv_lease_s", "lease_s"),
+    ("bidikv_heartbeat_interval_s", "heartbeat_interval_s"),
+    ("bidikv_lease_max_hold_s", "max_hold_s"),
+)}
+_GAP_KEYS = {key: (name, _field_default(GapQuantileTTL, name)) for key, name in (
+    ("bidikv_gap_quantile", "quantile"),
+    ("bidikv_gap_cap_s", "cap_s"),
+    ("bidikv_gap_floor_s", "floor_s"),
+    ("bidikv_gap_initial_s", "initial_s"),  # default here: decoder_kv_blocks_ttl, not the policy's
+    ("bidikv_gap_min_samples", "min_samples"),
+    ("bidikv_gap_window", "window"),
+    ("bidikv_gap_margin_s", "margin_s"),
+)}
 _OTHER_KEYS = (
     "bidikv_recompute_policy",
     "bidikv_cost_profile",
@@ -168,7 +175,7 @@ class ConnectorSettings:
     """Validated settings; ``recompute_policy`` and ``make_retention()`` are impl.policy objects."""
 
     bidirectional: bool = False
-    kv_recompute_threshold: int = 64
+    kv_recompute_threshold: int = VLLM_DEFAULT_THRESHOLD
     decoder_kv_blocks_ttl: float = 480.0
     num_threads: int = DEFAULT_NUM_THREADS
     num_threads_explicit: bool = False
@@ -185,7 +192,7 @@ class ConnectorSettings:
     notify_timeout_s: float = 1.0
     heartbeat_port: int = 0
     heartbeat_host: str = "0.0.0.0"
-    recompute_policy: RecomputePolicy = field(default=FixedThreshold(64), compare=False)
+    recompute_policy: RecomputePolicy = field(default=FixedThreshold(VLLM_DEFAULT_THRESHOLD), compare=False)
     explicit_keys: frozenset[str] = frozenset()
 
     @classmethod
@@ -195,17 +202,17 @@ class ConnectorSettings:
         if unknown:
             raise ConfigError(unknown[0], f"unknown key (known bidikv_* keys: {', '.join(sorted(KNOWN_BIDIKV_KEYS))})")
 
-        bidirectional = _bool(extra, "bidirectional_kv_xfer", False)
-        threshold = _int(extra, "kv_recompute_threshold", 64, 0)
-        ttl = _seconds(extra, "decoder_kv_blocks_ttl", 480.0)
-        num_threads = _int(extra, "num_threads", DEFAULT_NUM_THREADS, 0)
+        bidirectional = _bool(extra, "bidirectional_kv_xfer", _default("bidirectional"))
+        threshold = _int(extra, "kv_recompute_threshold", _default("kv_recompute_threshold"), 0)
+        ttl = _seconds(extra, "decoder_kv_blocks_ttl", _default("decoder_kv_blocks_ttl"))
+        num_threads = _int(extra, "num_threads", _default("num_threads"), 0)
         if "kv_lease_duration" in extra:
             _int(extra, "kv_lease_duration", 30, 1)
         backends = extra.get("backends", ["UCX"])
         if not isinstance(backends, (list, tuple)) or not backends or not all(isinstance(b, str) for b in backends):
             raise ConfigError("backends", f"must be a non-empty list of NIXL backend names, got {backends!r}")
 
-        recompute = _choice(extra, "bidikv_recompute_policy", "fixed", RECOMPUTE_POLICIES)
+        recompute = _choice(extra, "bidikv_recompute_policy", _default("recompute"), RECOMPUTE_POLICIES)
         profile = extra.get("bidikv_cost_profile")
         if recompute == "break_even":
             if not isinstance(profile, str) or not profile:
@@ -217,7 +224,7 @@ class ConnectorSettings:
                 raise ConfigError("bidikv_cost_profile", "is only used with bidikv_recompute_policy 'break_even'")
             policy = FixedThreshold(threshold)
 
-        retention = _choice(extra, "bidikv_retention", "ttl", RETENTION_POLICIES)
+        retention = _choice(extra, "bidikv_retention", _default("retention"), RETENTION_POLICIES)
         for family, keys in (("lease", _LEASE_KEYS), ("gap_quantile", _GAP_KEYS)):
             if retention != family:
                 stray = sorted(k for k in keys if k in extra)
@@ -235,7 +242,7 @@ class ConnectorSettings:
                     raise ConfigError(key, f"must be a number in (0, 1], got {value!r}")
                 gap[name] = float(value)
             else:
-                gap[name] = _seconds(extra, key, ttl if default is None else default)
+                gap[name] = _seconds(extra, key, ttl if name == "initial_s" else default)
 
         settings = cls(
             bidirectional=bidirectional,
@@ -245,15 +252,15 @@ class ConnectorSettings:
             num_threads_explicit="num_threads" in extra,
             recompute=recompute,
             cost_profile=profile if recompute == "break_even" else None,
-            apply_threshold_p_to_d=_bool(extra, "bidikv_apply_threshold_p_to_d", True),
+            apply_threshold_p_to_d=_bool(extra, "bidikv_apply_threshold_p_to_d", _default("apply_threshold_p_to_d")),
             retention=retention,
             lease=lease if retention == "lease" else {},
             gap=gap if retention == "gap_quantile" else {},
-            nixl_progress_thread=_bool(extra, "bidikv_nixl_progress_thread", True),
-            nixl_progress_delay_us=_int(extra, "bidikv_nixl_progress_delay_us", 1000, 0),
+            nixl_progress_thread=_bool(extra, "bidikv_nixl_progress_thread", _default("nixl_progress_thread")),
+            nixl_progress_delay_us=_int(extra, "bidikv_nixl_progress_delay_us", _default("nixl_progress_delay_us"), 0),
             idle_step_sleep_s=_idle_sleep(extra),
-            notify=_bool(extra, "bidikv_notify", True),
-            notify_timeout_s=_seconds(extra, "bidikv_notify_timeout_s", 1.0, positive=True),
+            notify=_bool(extra, "bidikv_notify", _default("notify")),
+            notify_timeout_s=_seconds(extra, "bidikv_notify_timeout_s", _default("notify_timeout_s"), positive=True),
             heartbeat_port=_port(extra, "bidikv_heartbeat_port"),
             heartbeat_host=_host(extra, "bidikv_heartbeat_host"),
             recompute_policy=policy,
@@ -280,8 +287,12 @@ class ConnectorSettings:
         return overrides
 
 
+def _default(name: str) -> Any:
+    return _field_default(ConnectorSettings, name)
+
+
 def _idle_sleep(extra: Mapping[str, Any]) -> float:
-    value = _seconds(extra, "bidikv_idle_step_sleep_s", 5.0)
+    value = _seconds(extra, "bidikv_idle_step_sleep_s", _default("idle_step_sleep_s"))
     if value > 30.0:
         raise ConfigError("bidikv_idle_step_sleep_s", f"must be at most 30 s (it delays releasing read blocks), "
                                                       f"got {value!r}")
@@ -289,14 +300,14 @@ def _idle_sleep(extra: Mapping[str, Any]) -> float:
 
 
 def _port(extra: Mapping[str, Any], key: str) -> int:
-    value = extra.get(key, 0)
+    value = extra.get(key, _default("heartbeat_port"))
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ConfigError(key, f"must be an integer port in 0..65535 (0: off), got {value!r}")
     return value
 
 
 def _host(extra: Mapping[str, Any], key: str) -> str:
-    value = extra.get(key, "0.0.0.0")
+    value = extra.get(key, _default("heartbeat_host"))
     # an address to bind, not a URL: a scheme, path or blank would only fail later, inside the engine
     if not isinstance(value, str) or not value or len(value) > 253 or any(c in value for c in " /\t\n@?#"):
         raise ConfigError(key, f"must be a host name or IP address to listen on, got {value!r}")
