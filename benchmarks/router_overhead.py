@@ -15,8 +15,9 @@ this 2-core machine:
 * router CPU ms/request from /proc/<pid>/stat (utime + stime) over the measured window, and the
   router's involuntary context switches per 1,000 requests (how often something else took its core:
   the cause of latency tails when the machine is busy) next to the 1-minute load average;
-* upstream connections opened during the window for turns (reused, not reopened: should stay 0),
-  counted apart from those the router's health probes open.
+* upstream connections for turns opened and closed during the window, counted apart from those the
+  router's health probes open: reused, not reopened, means none closed (a few opened at c=500 are
+  the pool growing to a new peak of concurrent requests, as the router's clients ramp up).
 
 Run: ``.venv/bin/python benchmarks/router_overhead.py [--duration 5] [--levels 1,50,500] [--loop uvloop]``
 """
@@ -74,15 +75,19 @@ P_RESPONSE = _json_response({"id": "cmpl-p", "object": "chat.completion", "model
                                                     "remote_request_id": "p-bench", "remote_host": "127.0.0.1",
                                                     "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 500}})
 D_RESPONSE = _d_response()
-STATS = {"connections": 0, "requests": 0, "turn_connections": 0, "health_connections": 0}
+STATS = {"connections": 0, "requests": 0, "turn_connections": 0, "turn_connections_closed": 0, "health_connections": 0}
 
 
 class UpstreamProtocol(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         self.buf = b""
-        self.counted = False
+        self.kind = None
         STATS["connections"] += 1
+
+    def connection_lost(self, exc):
+        if self.kind == "turn":
+            STATS["turn_connections_closed"] += 1
 
     def data_received(self, data):
         self.buf += data
@@ -103,11 +108,11 @@ class UpstreamProtocol(asyncio.Protocol):
             self.buf = self.buf[end:]
             path = head.split(b" ", 2)[1]
             STATS["requests"] += 1
-            if not self.counted:  # what this connection was opened for
-                self.counted = True
-                if path.startswith(b"/v1/"):
+            if self.kind is None:  # what this connection was opened for
+                self.kind = "turn" if path.startswith(b"/v1/") else "health" if path.startswith(b"/health") else "other"
+                if self.kind == "turn":
                     STATS["turn_connections"] += 1
-                elif path.startswith(b"/health"):
+                elif self.kind == "health":
                     STATS["health_connections"] += 1
             if path == b"/stats":
                 self.transport.write(_json_response(STATS))
@@ -283,6 +288,7 @@ async def run_level(port: int, via_router: bool, concurrency: int, warmup: float
         "router_cpu_ms_per_req": ((cpu1 - cpu0) / n * 1e3) if (router_pid and n) else None,
         "router_preemptions_per_1k_req": ((switches1 - switches0) / n * 1e3) if (router_pid and n) else None,
         "upstream_connections_opened": stats1["turn_connections"] - stats0["turn_connections"],
+        "upstream_connections_closed": stats1["turn_connections_closed"] - stats0["turn_connections_closed"],
         "health_probe_connections_opened": stats1["health_connections"] - stats0["health_connections"],
         "load_avg_1m": load_average(),
     }
@@ -382,7 +388,7 @@ def main() -> int:
 
 
 def summarize(results: list[dict]) -> None:
-    print("\nconcurrency rep | router req/s | added TTFT p50/p99 ms | added total p50/p99 ms | router CPU ms/req | upstream conns opened | errors"
+    print("\nconcurrency rep | router req/s | added TTFT p50/p99 ms | added total p50/p99 ms | router CPU ms/req | upstream conns opened/closed | errors"
           " | preempted /1k req | load")
     by = {(r["target"], r["concurrency"], r["rep"]): r for r in results}
     for (target, c, rep), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -392,7 +398,7 @@ def summarize(results: list[dict]) -> None:
         cpu = r["router_cpu_ms_per_req"]
         print(f"{c:>11} {rep:>3} | {r['req_per_s']:>12.0f} | {r['ttft_p50_ms'] - d['ttft_p50_ms']:>8.2f} / {r['ttft_p99_ms'] - d['ttft_p99_ms']:<8.2f}"
               f" | {r['total_p50_ms'] - d['total_p50_ms']:>8.2f} / {r['total_p99_ms'] - d['total_p99_ms']:<8.2f}"
-              f" | {cpu if cpu is None else format(cpu, '.3f'):>17} | {r['upstream_connections_opened']:>21} | {r['errors']:>6}"
+              f" | {cpu if cpu is None else format(cpu, '.3f'):>17} | {r['upstream_connections_opened']:>20}/{r['upstream_connections_closed']:<6} | {r['errors']:>6}"
               f" | {r['router_preemptions_per_1k_req']:>17.1f} | {r['load_avg_1m']:.2f}"
               f"   (direct: {d['req_per_s']:.0f} req/s, TTFT p50 {d['ttft_p50_ms']:.2f} p99 {d['ttft_p99_ms']:.2f} ms)")
     levels = sorted({r["concurrency"] for r in results})
