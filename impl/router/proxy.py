@@ -377,11 +377,16 @@ class TurnProxy:
         except _PassThrough as e:
             return e.response, None, None
         capture = TurnCapture(chat=turn.endpoint == "chat")
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                      "X-Request-Id": headers["X-Request-Id"], **info,
-                                                      "X-Bidikv-Decode": upstream.name})
+        out = _EventStreamResponse(coalesce_headers=resp.body_buffered, status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                        "X-Request-Id": headers["X-Request-Id"], **info,
+                                                        "X-Bidikv-Decode": upstream.name})
         failure: str | None = None
         first_token_seen = False
+        # Headers go out with the first events when D sent them with its head (else at once, as before).
+        # The events of D's last read, when its body ended there too: sent together with the end of our
+        # chunked body in one write (vLLM's last read is "data: [DONE]" and the terminator). Held back
+        # only once D's body is complete, so no event ever waits for a later one.
+        final = b""
         try:
             await out.prepare(request)
             splitter = SSESplitter()
@@ -400,11 +405,15 @@ class TurnProxy:
                     if not first_token_seen and capture.events:
                         first_token_seen = True
                         self.metrics.ttft.observe(self.clock() - t0)
-                    await out.write(b"".join(parts) if len(parts) > 1 else parts[0])
+                    data = b"".join(parts) if len(parts) > 1 else parts[0]
+                    if resp.complete:
+                        final = data  # the loop ends here: goes out with write_eof below
+                    else:
+                        await out.write(data)
                 for ev in splitter.flush():
                     if ev.data is not None:
                         replacement = capture.on_event(ev.data)
-                        await out.write(ev.raw if replacement is None else format_event(replacement))
+                        final += ev.raw if replacement is None else format_event(replacement)
                 if splitter.take_incomplete():
                     failure = "cut"
             except SSEError:
@@ -421,8 +430,8 @@ class TurnProxy:
                 message = {"cut": "decode instance failed mid-stream", "timeout": "decode instance stalled",
                            "no_done": "decode stream ended without [DONE]",
                            "oversized_event": "decode instance sent an oversized event"}[failure]
-                await out.write(format_event(error_body(message, "upstream_error", 502)) + format_event(b"[DONE]"))
-            await out.write_eof()
+                final += format_event(error_body(message, "upstream_error", 502)) + format_event(b"[DONE]")
+            await out.write_eof(final)
             capture.finish()  # decode what was forwarded raw; the client already has its whole answer
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self.metrics.stream_errors.inc("client_gone")
@@ -437,6 +446,17 @@ class TurnProxy:
     async def close(self) -> None:
         await self.recorder.close()
         await self.client.close()
+
+
+class _EventStreamResponse(web.StreamResponse):
+    """aiohttp's StreamResponse whose headers may wait for the first body write and go out with it
+    (as aiohttp does for web.Response): one send and one wake-up of the client instead of two.
+    Used only when D's first bytes are already here, so the client never waits longer for headers."""
+
+    def __init__(self, *, coalesce_headers: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if coalesce_headers:
+            self._send_headers_immediately = False  # aiohttp's switch (web.Response sets it); unknown to old aiohttp: harmless
 
 
 class _PassThrough(Exception):

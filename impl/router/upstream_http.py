@@ -477,6 +477,11 @@ class UpstreamResponse:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @property
+    def body_buffered(self) -> bool:
+        """Some of the body (or its end) has arrived and not been taken yet."""
+        return bool(self._pieces) or self._phase == _COMPLETE
+
+    @property
     def complete(self) -> bool:
         return self._phase == _COMPLETE and self._exc is None
 

@@ -559,3 +559,78 @@ async def test_https_upstream(tmp_path):
         await untrusting.request("GET", url)
     await untrusting.close()
     server.close()
+
+
+# -- the router's stream to its client ------------------------------------------------------------------
+
+P_BODY = (b'{"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": {"remote_engine_id": "P", '
+          b'"remote_block_ids": [[1]], "remote_request_id": "p", "remote_host": "h", "remote_port": 1}}')
+D_EVENTS = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+
+
+def d_script(delay_first_event: float) -> Script:
+    async def script(ex: Exchange) -> None:
+        if b'"stream": true' not in ex.body:
+            await ex.send(ok(P_BODY, b"Content-Type: application/json\r\n"))
+            return
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        body = b"%x\r\n" % len(D_EVENTS) + D_EVENTS + b"\r\n0\r\n\r\n"
+        if delay_first_event:
+            await ex.send(head)
+            await asyncio.sleep(delay_first_event)
+            await ex.send(body)
+        else:
+            await ex.send(head + body)
+    return script
+
+
+async def _router_first_read(upstream_url: str) -> tuple[bytes, float, bytes]:
+    """What the router's client gets in its first read, when, and everything."""
+    import time
+
+    from impl.router.app import build_app, start_site
+    from impl.router.config import build_config
+    from impl.router.tenants import Tenants
+
+    config = build_config(overrides={"prefill": [upstream_url], "decode": [upstream_url], "host": "127.0.0.1", "port": 0,
+                                     "health_interval_s": 60.0, "notify": False})
+    app = build_app(config, tenants=Tenants.load(None, "KEYS", {}), environ={})
+    runner, port = await start_site(app, "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model": "m", "prompt": "hi", "stream": true, "max_tokens": 4}'
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        t0 = time.monotonic()
+        first = await reader.read(65536)
+        elapsed = time.monotonic() - t0
+        rest = await reader.read()
+        writer.close()
+        return first, elapsed, first + rest
+    finally:
+        await runner.cleanup()
+
+
+async def test_router_sends_headers_with_the_first_events_when_d_sent_them_together(monkeypatch):
+    from aiohttp import http_writer
+
+    writes = []
+    for name in ("_write", "_writelines"):  # every byte aiohttp sends to the router's client passes one of these
+        original = getattr(http_writer.StreamWriter, name)
+
+        def counted(self, data, _original=original):
+            writes.append(data)
+            return _original(self, data)
+        monkeypatch.setattr(http_writer.StreamWriter, name, counted)
+    async with RawServer(d_script(0.0)) as srv:
+        first, _, whole = await _router_first_read(srv.url)
+    assert first.startswith(b"HTTP/1.1 200") and b"data: " in first
+    assert whole.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert len(writes) == 1  # head, events and the end of the chunked body in one send
+
+
+async def test_router_sends_headers_at_once_when_d_is_slow_to_its_first_event():
+    async with RawServer(d_script(0.4)) as srv:
+        first, elapsed, whole = await _router_first_read(srv.url)
+    assert first.startswith(b"HTTP/1.1 200") and b"data: " not in first and elapsed < 0.3  # not held for D
+    assert b'"text": "a"' in whole and whole.endswith(b"0\r\n\r\n")
