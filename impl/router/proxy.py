@@ -377,9 +377,10 @@ class TurnProxy:
         except _PassThrough as e:
             return e.response, None, None
         capture = TurnCapture(chat=turn.endpoint == "chat")
-        out = _EventStreamResponse(coalesce_headers=resp.body_buffered, status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                        "X-Request-Id": headers["X-Request-Id"], **info,
-                                                        "X-Bidikv-Decode": upstream.name})
+        out = _EventStreamResponse(coalesce_headers=resp.body_buffered, status=200,
+                                   headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                            "X-Request-Id": headers["X-Request-Id"], **info,
+                                            "X-Bidikv-Decode": upstream.name})
         failure: str | None = None
         first_token_seen = False
         # Headers go out with the first events when D sent them with its head (else at once, as before).
@@ -456,7 +457,8 @@ class _EventStreamResponse(web.StreamResponse):
     def __init__(self, *, coalesce_headers: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if coalesce_headers:
-            self._send_headers_immediately = False  # aiohttp's switch (web.Response sets it); unknown to old aiohttp: harmless
+            # aiohttp's own switch (web.Response turns it off); an aiohttp without it ignores this
+            self._send_headers_immediately = False
 
 
 class _PassThrough(Exception):
