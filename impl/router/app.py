@@ -1,17 +1,16 @@
 """The aiohttp application: routes, authentication, error mapping, lifecycle.
 
-Why aiohttp for both the server and the upstream client: the issue's budget is <= 0.6 ms of router
-CPU per request and no collapse at 500 concurrent clients. vLLM's example proxy (FastAPI + httpx)
-spends 2.9-3.2 ms per request and at c=500 httpcore's pool scans queued requests x connections on
-every event and reopens upstream connections. aiohttp has C HTTP parsers on both sides and one
-``ClientSession`` whose connector keeps a keep-alive pool per upstream ``host:port`` (idle
-connections closed after ``upstream_keepalive_s``, below vLLM's 5 s, so a pooled connection is not
-reused just as vLLM closes it). Measured with benchmarks/router_overhead.py on the shared 2-core
-machine (uvloop): 0.63-0.69 ms router CPU per turn at c=50 (1,460-1,580 req/s on one core),
-0.77-0.80 ms at c=500 (c=500/c=50 throughput 0.84, upstream connections reused), 0.87-0.92 ms at
-c=1; with asyncio's own loop 0.72 ms at c=50. Per piece: aiohttp server ~45 us a request, an aiohttp
-client call ~136 us (two per turn; a bare asyncio HTTP/1.1 client measured ~49 us), request parsing
-and the guard's digest ~60 us for a 9-message history.
+HTTP stack, chosen by benchmarks/router_overhead.py against issue 6's budget (<= 0.6 ms of router
+CPU per turn, <= 1 ms added p99 TTFT at c=1, no collapse at 500 concurrent clients). Clients are
+served by aiohttp (C parser; vLLM's example proxy on FastAPI + httpx spends 2.9-3.2 ms per request,
+and at c=500 httpcore's pool scans queued requests x connections on every event). P and D are called
+through impl.router.upstream_http, the router's own keep-alive HTTP/1.1 client: aiohttp's client
+cost ~136 us a call and a turn makes two (a bare asyncio exchange: ~49 us). aiohttp's ClientSession
+still serves the health probes and /v1/models, off a turn's path. Measured on the shared 2-core
+machine (uvloop, router on one core): 0.45-0.47 ms router CPU per turn at c=50 (2,100-2,240 req/s),
+0.51-0.54 ms at c=500 (0.87 of c=50's throughput, pooled upstream connections kept), 0.58-0.61 ms
+at c=1 with 0.61-0.66 ms added TTFT p50 and 0.82-1.10 ms p99; with aiohttp's client 0.60-0.66,
+0.75-0.80 and 0.86-0.89 ms, p99 1.26-1.49 ms. Startup objects are frozen out of the GC (``serve``).
 
 Routes::
 
