@@ -388,8 +388,8 @@ class UpstreamResponse:
             self._conn.transport.resume_reading()  # type: ignore[union-attr]
 
     def _lost(self, exc: Exception | None) -> None:
-        if self._phase == _BODY and self._framing == _UNTIL_CLOSE:
-            self._complete()  # the close is the body's end
+        if self._phase == _BODY and self._framing == _UNTIL_CLOSE and exc is None:
+            self._complete()  # a clean close is the body's end (a reset is not)
         elif self._phase != _COMPLETE and self._exc is None:
             started = self._phase != _HEAD or bool(self._head_buf)
             why = f"{type(exc).__name__}: {exc}" if exc is not None else "closed by the server"

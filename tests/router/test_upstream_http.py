@@ -634,3 +634,17 @@ async def test_router_sends_headers_at_once_when_d_is_slow_to_its_first_event():
         first, elapsed, whole = await _router_first_read(srv.url)
     assert first.startswith(b"HTTP/1.1 200") and b"data: " not in first and elapsed < 0.3  # not held for D
     assert b'"text": "a"' in whole and whole.endswith(b"0\r\n\r\n")
+
+
+async def test_router_with_a_bounded_upstream_pool_serves_every_turn():
+    from tests.router.harness import Deployment
+
+    async with Deployment(upstream_max_connections=2, n_prefill=1, n_decode=1) as dep:
+        dep.d.chunk_delay_s = 0.005  # D streams hold their connection a while
+
+        async def turn(i: int) -> None:
+            r = await dep.chat([{"role": "user", "content": f"q{i}"}], conversation_id=f"b{i}")
+            assert r.status == 200 and r.done and r.error is None
+
+        await asyncio.gather(*(turn(i) for i in range(20)))
+        assert len(dep.p._peers) <= 2 and len(dep.d._peers) <= 2
