@@ -53,7 +53,7 @@ from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, error_response
 from impl.router.request import Endpoint, RequestError, parse_json_body, parse_turn
-from impl.router.tenants import Tenants
+from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
 
 log = logging.getLogger("bidikv.router")
@@ -142,6 +142,8 @@ class Router:
             else:
                 body = parse_json_body(await request.read())
                 turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len)
+                if self.config.tenant_cache_salt and not self.tenants.open:
+                    turn.body["cache_salt"] = cache_salt_for(tenant, _client_cache_salt(turn.body))
                 response = await self.proxy.handle(request, turn, tenant, t0)
         except RequestError as e:
             response = error_response(e.status, e.message, "invalid_request_error", e.field)
@@ -217,6 +219,13 @@ class Router:
         self.metrics.notifications.inc(result)
         self.metrics.requests.inc(NOTIFY_PATH, str(response.status))
         return response
+
+
+def _client_cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
+        raise RequestError("cache_salt", "must be a non-empty string of at most 256 characters")
+    return salt
 
 
 def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Mapping[str, str] | None = None) -> web.Application:

@@ -49,6 +49,7 @@ class RouterConfig:
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
+    tenant_cache_salt: bool = True  # with API keys: P's and D's prefix caches are shared only within a tenant
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
 
@@ -115,6 +116,8 @@ FLAG_HELP: dict[str, str] = {
     "expiry_margin_s": "do not offer blocks this close to their expiry",
     "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
+    "tenant_cache_salt": "with API keys, give each tenant's requests vLLM's cache_salt so tenants never share "
+                         "prefix-cache blocks (no cross-tenant cache-timing probe)",
     "loop": "event loop implementation",
     "log_level": "logging level",
 }

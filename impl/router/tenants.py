@@ -9,6 +9,12 @@ environment variable ``tenant=key,tenant=key``. A tenant may have several keys (
 key configured at all the router runs open with a single tenant, :data:`DEFAULT_TENANT`: fine for a
 single-user or already-authenticated deployment, and it keeps the behaviour of vLLM's proxy.
 
+The store is not the only shared state: P's and D's own prefix caches hash blocks across requests,
+so a tenant could time its own requests to learn whether another tenant sent a prefix. With keys
+configured the router therefore sets vLLM's per-request ``cache_salt`` to :func:`cache_salt_for` the
+tenant (folding in a salt the client sent, which then partitions further within its tenant). A pull
+reads blocks by id, not by hash, so reuse across a tenant's own turns is unaffected.
+
 Keys are kept only as SHA-256 digests and looked up by the digest of the presented key, so the
 lookup time does not depend on how much of a key matched.
 """
@@ -74,3 +80,10 @@ class Tenants:
                 raise ValueError(f"one API key is configured for two tenants ({table[d]!r} and {tenant!r})")
             table[d] = tenant
         return cls(table)
+
+
+def cache_salt_for(tenant: str, client_salt: str | None) -> str:
+    """vLLM ``cache_salt`` for a tenant's request. Bound to the tenant name, so no client salt of one
+    tenant can reproduce another tenant's salt."""
+    material = tenant.encode("utf-8", "surrogatepass") + b"\0" + (client_salt or "").encode("utf-8", "surrogatepass")
+    return "bidikv-" + hashlib.sha256(material).hexdigest()[:32]

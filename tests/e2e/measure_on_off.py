@@ -11,6 +11,11 @@ D (the ordinary P->D pull only). P runs without prefix caching, as in the publis
 The model is wider and deeper than the tests' (``--hidden``, ``--layers``) so that recomputing a
 prompt costs something a CPU can measure. Numbers from a 2-core VM are about the mechanism, not
 about H200s: a CPU reads KV at memory speed and prefills slowly, which flatters ON.
+
+Turns are spaced by the workload's think time scaled by ``--gap-scale`` (default 0.01: a p50 of
+about 1.3 s). Sent back to back, a turn competes on the 2 cores with the tail of the one before:
+measured here, OFF turns of 800-1,300 tokens then took 2.5-3.0 s to the first token, against
+0.7-1.0 s for the same turns a second apart (a probe through the router).
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ output_tokens = {{ kind = "constant", value = 96 }}
 """
 
 
-def bench(router_url: str, mode: str, config: Path, out: Path, concurrency: int) -> str:
+def bench(router_url: str, mode: str, config: Path, out: Path, concurrency: int, gap_scale: float) -> str:
     run = subprocess.run(
         [sys.executable, "-m", "impl.cli", "bench", "--url", router_url, "--mode", mode, "--config", str(config),
-         "--out", str(out), "--concurrency", str(concurrency), "--token-id-low", "3",
+         "--out", str(out), "--concurrency", str(concurrency), "--gap-scale", str(gap_scale), "--token-id-low", "3",
          "--token-id-high", str(len(_vocab()))], cwd=REPO, capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
         raise RuntimeError(f"bench ({mode}) failed:\n{run.stdout}\n{run.stderr[-3000:]}")
@@ -61,6 +66,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="model layers")
     ap.add_argument("--threshold", type=int, default=64, help="kv_recompute_threshold (vLLM's default 64)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--gap-scale", type=float, default=0.01, help="think time = workload gap x this")
     args = ap.parse_args()
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bidikv-on-off-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,9 +85,10 @@ def main() -> int:
         try:
             print(f"[{mode}] deployment up in {time.monotonic() - started:.0f} s", flush=True)
             # the first NIXL handshakes are slow (PITFALLS.md): one throwaway run, not recorded
-            bench(dep.router.url, mode, _warmup_config(out_dir, args.seed + 1000), out_dir / f"warmup-{mode}.jsonl", 1)
+            bench(dep.router.url, mode, _warmup_config(out_dir, args.seed + 1000), out_dir / f"warmup-{mode}.jsonl", 1,
+                  args.gap_scale)
             files[mode] = out_dir / f"bench-{mode}.jsonl"
-            print(f"[{mode}]\n" + bench(dep.router.url, mode, config, files[mode], args.concurrency), flush=True)
+            print(f"[{mode}]\n" + bench(dep.router.url, mode, config, files[mode], args.concurrency, args.gap_scale), flush=True)
         finally:
             dep.stop()
     print(turn_table({m: read_jsonl(f) for m, f in files.items()}))

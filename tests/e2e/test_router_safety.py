@@ -5,7 +5,8 @@ gets wrong, and that the router does not.
   blocks although the prompt no longer continues them. Through the router it reads nothing
   (tests/e2e/test_bidirectional.py::test_rewritten_history_does_not_pull).
 - Tenants: a second router with two API keys runs in front of the same P and D; another tenant using
-  the same conversation id gets no reuse, and the owner's next turn still pulls.
+  the same conversation id gets no reuse, not even of P's prefix cache, and the owner's next turn
+  still pulls.
 """
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def test_another_tenant_with_the_same_conversation_id_pulls_nothing(e2e: E2E, te
     second, d = turn(alice, KEYS["alice"], LONG)
     assert_pulled_from_d(d, 2)
 
-    # bob replays alice's exact history under her id: a perfect continuation, still not his to reuse.
-    # (P's own prefix cache is shared by all tenants unless requests carry a cache_salt; this checks
-    # that the router never hands one tenant another's D blocks.)
+    # bob replays alice's exact history under her id: a perfect continuation, still not his to reuse,
+    # neither D's blocks through the router nor P's prefix cache (the router salts it per tenant:
+    # unsalted, P would serve bob alice's cached prefix, and its timing would tell him she sent it)
     alice += [{"role": "assistant", "content": second.text}, user("Is that normal? " * 5)]
     _, d = turn(alice, KEYS["bob"], SHORT)
     assert d["router"]["hits"] == 0, d
     assert_no_pull(d, 3)
+    assert d["p"]["local_cache_tokens"] == 0, f"bob hit alice's blocks in P's prefix cache: {d}"
 
 
 def test_a_request_without_a_key_is_refused(e2e: E2E, tenant_router: str):

@@ -213,3 +213,31 @@ async def test_turn_info_headers_say_where_it_ran_and_what_was_reused(stream):
         r2 = await dep.chat(history, conversation_id="conv-H", stream=stream)
         assert r2.headers["X-Bidikv-Reuse-Offered-Tokens"] == "68"  # what D reported holding after turn 1
         assert r2.headers["X-Bidikv-Prefill-Cached-Tokens"] == "68"  # what P says it did not compute
+
+
+async def test_tenants_get_their_own_cache_salt_on_p_and_d():
+    """Keys configured: P's and D's prefix caches are partitioned by tenant (vLLM's cache_salt)."""
+    import hashlib
+
+    async with Deployment(keys={"acme": "key-a", "globex": "key-g"}) as dep:
+        for key in ("key-a", "key-a", "key-g"):
+            assert (await dep.chat([user("same prompt")], key=key)).status == 200
+        assert (await dep.chat([user("same prompt")], key="key-a", cache_salt="mine")).status == 200
+        p_salts = [b.get("cache_salt") for b in dep.p.prefill_requests()]
+        d_salts = [b.get("cache_salt") for b in dep.d.decode_requests()]
+        assert p_salts == d_salts  # P and D of one turn hash blocks alike: D's local hits stay valid
+        acme, acme_again, globex, acme_own = p_salts
+        assert acme == acme_again and len({acme, globex, acme_own}) == 3
+        assert all(isinstance(s, str) and s for s in p_salts)
+        # a client salt cannot name another tenant's partition: the tenant is always part of it
+        assert globex not in {hashlib.sha256(s.encode()).hexdigest() for s in ("globex", "globex\0")}
+        bad = await dep.chat([user("x")], key="key-a", cache_salt=17)
+        assert bad.status == 400 and b"cache_salt" in bad.raw, bad.raw
+
+
+async def test_no_keys_no_salt_added():
+    async with Deployment() as dep:
+        assert (await dep.chat([user("hello")])).status == 200
+        assert (await dep.chat([user("hello")], cache_salt="client")).status == 200
+        salts = [b.get("cache_salt") for b in dep.p.prefill_requests()]
+        assert salts == [None, "client"]  # open router: the client's own salt passes through untouched
