@@ -31,18 +31,14 @@ def _add_step(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="deploy_action", required=True, metavar="ACTION")
-    check = actions.add_parser("check", help="validate the config and print what it resolves to")
-    _add_config(check)
-    check.set_defaults(run=_check)
-    plan = actions.add_parser("plan", help="print every step's exact commands in order (ON, OFF, report)")
-    _add_config(plan)
-    plan.set_defaults(run=_plan)
-    show = actions.add_parser("show", help="print one step's exact commands (what --dry-run prints)")
-    _add_step(show)
-    show.set_defaults(run=_show)
-    argv = actions.add_parser("argv", help="one step's commands as NUL-separated arguments (for the scripts)")
-    _add_step(argv)
-    argv.set_defaults(run=_argv)
+    for name, help_text, add, run in (
+            ("check", "validate the config and print what it resolves to", _add_config, _check),
+            ("plan", "print every step's exact commands in order (ON, OFF, report)", _add_config, _plan),
+            ("show", "print one step's exact commands (what --dry-run prints)", _add_step, _show),
+            ("argv", "one step's commands as NUL-separated arguments (for the scripts)", _add_step, _argv)):
+        action = actions.add_parser(name, help=help_text)
+        add(action)
+        action.set_defaults(run=run)
     comp = actions.add_parser("compare", help="the ON/OFF TTFT table of two bench JSONLs")
     comp.add_argument("on", metavar="ON_JSONL")
     comp.add_argument("off", metavar="OFF_JSONL")
