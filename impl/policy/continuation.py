@@ -53,6 +53,9 @@ class ItemsPrompt:
         return sequence_digest(self.items[:n])
 
 
+_encode_str = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def canonical_messages(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """One canonical string per chat message (role + content, keys sorted), for the digest.
 
@@ -60,9 +63,15 @@ def canonical_messages(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """
     out = []
     for i, message in enumerate(messages):
+        if type(message) is dict and len(message) == 2 and type(message.get("role")) is str \
+                and type(message.get("content")) is str:
+            # the router's hot path (a plain text message, every turn): the same string the general
+            # case builds, without sorting and walking a dict (about 2x faster)
+            out.append('{"content":' + _encode_str(message["content"]) + ',"role":' + _encode_str(message["role"]) + "}")
+            continue
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
-        out.append(json.dumps({k: message[k] for k in sorted(message)}, sort_keys=True, ensure_ascii=False, separators=(",", ":")))
+        out.append(json.dumps(dict(message), sort_keys=True, ensure_ascii=False, separators=(",", ":")))
     return out
 
 

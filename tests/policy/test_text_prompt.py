@@ -30,3 +30,16 @@ def test_text_prompt_rejects_out_of_range_prefix():
         TextPrompt("abc").prefix_digest(4)
 
 
+
+
+@given(st.lists(st.fixed_dictionaries({"role": st.text(max_size=12), "content": st.text(max_size=80)}), max_size=6),
+       st.lists(st.dictionaries(st.sampled_from(["role", "content", "name", "tool_call_id"]),
+                                st.one_of(st.text(max_size=10), st.integers(), st.lists(st.text(max_size=5), max_size=3)),
+                                min_size=1), max_size=4))
+def test_canonical_messages_is_sorted_compact_json(plain, mixed):
+    """Whatever path a message takes, its canonical form is its sorted, compact, non-ASCII-kept JSON."""
+    import json
+
+    messages = plain + [m for m in mixed if "role" in m]
+    expected = [json.dumps(m, sort_keys=True, ensure_ascii=False, separators=(",", ":")) for m in messages]
+    assert canonical_messages(messages) == expected
