@@ -176,14 +176,21 @@ class TurnProxy:
                 "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
         if prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
-        handed_off = False
+        handed_off = recorded = False
+
+        def record(capture: TurnCapture, upstream: Upstream) -> None:
+            nonlocal handed_off, recorded
+            recorded = True
+            if storable:
+                handed_off = self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
+
         try:
             if turn.stream:
-                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info)
+                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info, record)
             else:
                 response, capture, upstream = await self._decode_json(turn, payload, headers, info)
-            if storable and capture is not None and upstream is not None:
-                handed_off = self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
+            if not recorded and capture is not None and upstream is not None:
+                record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
             return response
         finally:
             if token is not None and not handed_off:
@@ -369,7 +376,8 @@ class TurnProxy:
         return web.Response(body=body, headers={**_JSON_HEADERS, **info, "X-Bidikv-Decode": upstream.name}), capture, upstream
 
     async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
-                             t0: float, info: dict[str, str]) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+                             t0: float, info: dict[str, str], record: Callable[[TurnCapture, Upstream], None],
+                             ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
             resp, upstream = await self._open_decode(turn, payload, headers)
         except UpstreamFailure as e:
@@ -432,8 +440,13 @@ class TurnProxy:
                            "no_done": "decode stream ended without [DONE]",
                            "oversized_event": "decode instance sent an oversized event"}[failure]
                 final += format_event(error_body(message, "upstream_error", 502)) + format_event(b"[DONE]")
+            capture.finish()  # decode what was forwarded raw
+            if failure is None:
+                # stored before the client can see [DONE]: a client that sends its next turn at once
+                # must find this one (stored after write_eof, a loaded router could resume this handler
+                # only after that next turn's lookup)
+                record(capture, upstream)
             await out.write_eof(final)
-            capture.finish()  # decode what was forwarded raw; the client already has its whole answer
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self.metrics.stream_errors.inc("client_gone")
             return out, None, None  # the client left: D's request is aborted by closing it, nothing stored

@@ -241,3 +241,26 @@ async def test_no_keys_no_salt_added():
         assert (await dep.chat([user("hello")], cache_salt="client")).status == 200
         salts = [b.get("cache_salt") for b in dep.p.prefill_requests()]
         assert salts == [None, "client"]  # open router: the client's own salt passes through untouched
+
+
+async def test_a_streamed_turn_is_stored_before_its_client_sees_the_end(monkeypatch):
+    """A client may send its next turn the moment it reads [DONE]; that turn's lookup must find this one.
+    The patched write_eof plays a loaded router that resumes the handler late after the last write."""
+    import asyncio
+
+    from aiohttp import web
+
+    original = web.StreamResponse.write_eof
+
+    async def resumed_late(self, data=b""):
+        await original(self, data)
+        await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", resumed_late)
+    async with Deployment() as dep:
+        first = await dep.chat([user("q1")], conversation_id="c")
+        assert first.status == 200 and first.done
+        assert len(dep.router.store) == 1  # already stored when the client had the whole answer
+        second = await dep.chat([user("q1"), assistant(first.answer), user("q2")], conversation_id="c")
+        assert second.status == 200
+        assert dep.p.prefill_requests()[1]["kv_transfer_params"]["remote_engine_id"] == "D-d0"
