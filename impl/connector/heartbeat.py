@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from impl.router.config import url_host
+
 log = logging.getLogger("bidikv.connector.heartbeat")
 
 HEARTBEAT_PATH = "/bidikv/heartbeat"
@@ -137,9 +139,7 @@ class HeartbeatListener:
         self._server = _Server((host, port), self)  # binds now: a taken port fails the engine's start
         self.port = self._server.server_address[1]
         shown = advertised_host if advertised_host and host in ("0.0.0.0", "::", "") else host
-        if ":" in shown and not shown.startswith("["):
-            shown = f"[{shown}]"
-        self.url = f"http://{shown}:{self.port}{HEARTBEAT_PATH}"
+        self.url = f"http://{url_host(shown)}:{self.port}{HEARTBEAT_PATH}"
         self.stats = {"received": 0, "answered_not_held": 0, "applied": 0, "busy": 0, "timed_out": 0}
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="bidikv-heartbeat", daemon=True)

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from impl.connector.config import ConfigError as ConnectorConfigError
 from impl.connector.config import ConnectorSettings
+from impl.router.config import url_host
 
 WORKLOADS = ("synthetic", "agentic", "mooncake")
 KV_BUFFER_DEVICES = ("cuda", "cpu")
@@ -89,7 +90,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.http_port}"
+        return f"http://{url_host(self.host)}:{self.http_port}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Router:
 
     @property
     def url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -154,10 +155,6 @@ class DeployConfig:
         if not base.is_absolute():
             base = Path(self.workdir) / base
         return str(base / name)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class _Table:

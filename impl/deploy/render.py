@@ -148,7 +148,7 @@ def bench_commands(config: DeployConfig, mode: str) -> list[Command]:
         argv += ["--config", b.workload_config]
     if b.gap_scale:
         argv += ["--gap-scale", f"{b.gap_scale:g}"]
-    return [Command("bench", f"results directory on the bench host", _where(config, b.ssh, mkdir, foreground_server=False)),
+    return [Command("bench", "results directory on the bench host", _where(config, b.ssh, mkdir, foreground_server=False)),
             Command("bench", f"bench, bidirectional {mode.upper()}, through {config.router.url} -> {out}",
                     _where(config, b.ssh, argv, foreground_server=False))]
 

@@ -47,11 +47,11 @@ import aiohttp
 from aiohttp import web
 
 from impl.policy import ConversationStore
-from impl.router.config import RouterConfig
+from impl.router.config import RouterConfig, url_host
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
-from impl.router.proxy import TurnProxy, error_response
+from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import Endpoint, RequestError, parse_json_body, parse_turn
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
@@ -122,9 +122,7 @@ class Router:
             return
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostname()
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        self.notify_url = f"http://{host}:{port}{NOTIFY_PATH}"
+        self.notify_url = f"http://{url_host(host)}:{port}{NOTIFY_PATH}"
 
     # -- handlers ---------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -138,7 +136,7 @@ class Router:
         try:
             tenant = self.tenants.tenant_for(request.headers.get("Authorization"))
             if tenant is None:
-                response = error_response(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
+                response = unauthenticated_response()
             else:
                 body = parse_json_body(await request.read())
                 turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len)
@@ -148,7 +146,7 @@ class Router:
         except RequestError as e:
             response = error_response(e.status, e.message, "invalid_request_error", e.field)
         except web.HTTPRequestEntityTooLarge:
-            response = error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error", "body")
+            response = body_too_large_response(self.config.max_body_bytes)
         except Exception:
             log.exception("unhandled error on %s", route)
             response = error_response(500, "internal router error", "internal_error")
@@ -157,7 +155,7 @@ class Router:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         if self.tenants.tenant_for(request.headers.get("Authorization")) is None:
-            response = error_response(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
+            response = unauthenticated_response()
         else:
             response = await self._models_from_upstream()
         self.metrics.requests.inc("/v1/models", str(response.status))

@@ -134,6 +134,11 @@ def normalize_base_url(url: str, role: str) -> str:
     return url
 
 
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL's authority: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def host_port_urls(hosts: list[str] | None, ports: list[int] | None, role: str) -> list[str]:
     """vLLM's proxy flags (``--prefiller-hosts a b --prefiller-ports 1 2``) as base URLs."""
     if not hosts and not ports:

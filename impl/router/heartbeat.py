@@ -48,11 +48,11 @@ import aiohttp
 from aiohttp import web
 
 from impl.policy import ConversationEntry, ConversationStore
-from impl.router.config import RouterConfig
+from impl.router.config import RouterConfig, url_host
 from impl.router.metrics import Counter, RouterMetrics
 from impl.router.notify import Notification
-from impl.router.proxy import error_response
-from impl.router.request import RequestError, parse_json_body
+from impl.router.proxy import body_too_large_response, error_response, unauthenticated_response
+from impl.router.request import RequestError, check_conversation_id, parse_json_body
 from impl.router.tenants import Tenants
 
 log = logging.getLogger("bidikv.router")
@@ -138,18 +138,17 @@ class HeartbeatRelay:
     async def _handle(self, request: web.Request) -> tuple[web.Response, str]:
         tenant = self.tenants.tenant_for(request.headers.get("Authorization"))
         if tenant is None:
-            return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
-                                  "authentication_error"), "unauthenticated"
+            return unauthenticated_response(), "unauthenticated"
         try:
-            conversation_id = self._conversation_id(request.match_info.get("conversation_id", ""))
+            conversation_id = check_conversation_id(request.match_info.get("conversation_id", ""),
+                                                    self.config.max_conversation_id_len)
             raw = await request.read()
             if raw.strip():
                 parse_json_body(raw)  # an optional JSON object; no field is read yet, so none can be wrong
         except RequestError as e:
             return error_response(e.status, e.message, "invalid_request_error", e.field), "invalid"
         except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                                  "invalid_request_error", "body"), "invalid"
+            return body_too_large_response(self.config.max_body_bytes), "invalid"
 
         entry = self.store.get(tenant, conversation_id)  # tenant-scoped: another tenant's id is None too
         now = self.clock()
@@ -196,15 +195,6 @@ class HeartbeatRelay:
             extra["heartbeat_interval_s"] = answer["heartbeat_interval_s"]
         return self._ok(conversation_id, entry, now, renewed=renewed, **extra), outcome
 
-    def _conversation_id(self, value: str) -> str:
-        if not value or len(value) > self.config.max_conversation_id_len:
-            raise RequestError("conversation_id", f"must be 1..{self.config.max_conversation_id_len} characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError("conversation_id", "contains an unpaired surrogate (not valid Unicode text)") from None
-        return value
-
     def _listener_url(self, entry: ConversationEntry) -> str | None:
         url = self.directory.url_for(entry.kv_params.get("remote_engine_id"))
         if url is None or not self.config.rewrite_remote_host:
@@ -213,9 +203,7 @@ class HeartbeatRelay:
         if not host:
             return url
         parts = urlsplit(url)
-        if ":" in host:
-            host = f"[{host}]"
-        return urlunsplit((parts.scheme, f"{host}:{parts.port}", parts.path, "", ""))
+        return urlunsplit((parts.scheme, f"{url_host(host)}:{parts.port}", parts.path, "", ""))
 
     def _ok(self, conversation_id: str, entry: ConversationEntry, now: float, *, renewed: bool,
             **extra: Any) -> web.Response:

@@ -77,6 +77,14 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return web.Response(status=status, body=error_body(message, kind, status, param), headers=_JSON_HEADERS)
 
 
+def unauthenticated_response() -> web.Response:
+    return error_response(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error")
+
+
+def body_too_large_response(max_body_bytes: int) -> web.Response:
+    return error_response(413, f"request body exceeds {max_body_bytes} bytes", "invalid_request_error", "body")
+
+
 class UpstreamFailure(Exception):
     """No upstream could serve this step: 503 (none reachable), 502 (they failed), 504 (timed out)."""
 

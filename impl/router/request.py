@@ -150,8 +150,11 @@ def _conversation_id(from_body: Any, from_header: str | None, max_len: int) -> s
     if from_body is not None and from_header is not None and from_body != from_header:
         raise RequestError("conversation_id", "body field and X-Conversation-Id header disagree")
     cid = from_body if from_body is not None else from_header
-    if cid is None:
-        return None
+    return None if cid is None else check_conversation_id(cid, max_len)
+
+
+def check_conversation_id(cid: str, max_len: int) -> str:
+    """A conversation id from a body, a header or a URL path: 1..max_len characters of valid Unicode."""
     if not cid or len(cid) > max_len:
         raise RequestError("conversation_id", f"must be 1..{max_len} characters")
     _check_encodable(cid, "conversation_id")

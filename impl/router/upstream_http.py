@@ -489,17 +489,16 @@ class UpstreamResponse:
         """Done with it: a fully read response gives the connection back for reuse, else it is closed."""
         if self._finished:
             return
-        self._finished = True
         conn = self._conn
-        conn.response = None
         # an answer that came before all of the request was sent (an early 4xx, say) leaves the
         # connection mid-request: only a connection with nothing left to write goes back
-        if (self._phase == _COMPLETE and self._exc is None and self._keep_alive and not conn.closed
+        if not (self._phase == _COMPLETE and self._exc is None and self._keep_alive and not conn.closed
                 and not conn.transport.get_write_buffer_size()):  # type: ignore[union-attr]
-            conn.pool._put_back(conn)
-        else:
-            conn.close()
-            conn.pool._gone(conn)
+            self.close()
+            return
+        self._finished = True
+        conn.response = None
+        conn.pool._put_back(conn)
 
     def close(self) -> None:
         """Drop the connection whatever was read (an unfinished vLLM request is aborted by this)."""
