@@ -70,12 +70,7 @@ class E2E:
         return self.deployment.router.url
 
     def counters(self) -> dict[str, dict[str, float]]:
-        """P's and D's pull counters (vLLM's own metrics) and the router's reuse counters."""
-        r = Metrics.scrape(self.router)
-        return {"p": pull_counters(self.prefill), "d": pull_counters(self.decode),
-                "router": {"hits": r.value("bidikv_router_reuse_hits_total"),
-                           "offered_tokens": r.value("bidikv_router_tokens_reused_total"),
-                           "stored_notify": r.value("bidikv_router_turns_stored_total", source="notify")}}
+        return counters_at(self.prefill, self.decode, self.router)
 
     def settled_delta(self, before: dict[str, dict[str, float]], settle_s: float = 1.0) -> dict[str, dict[str, float]]:
         """Counters after a turn minus ``before``, once vLLM has published the turn's last step."""
@@ -93,6 +88,20 @@ class E2E:
     def log_tails(self, lines: int = 40) -> str:
         return "\n".join(f"----- {p.name} ({p.log_path}) -----\n{p.log_tail(lines)}"
                          for p in self.deployment.processes)
+
+
+def router_counters(router_url: str) -> dict[str, float]:
+    """The router's reuse counters (any router: the shared one or a test's own)."""
+    r = Metrics.scrape(router_url)
+    return {"hits": r.value("bidikv_router_reuse_hits_total"),
+            "offered_tokens": r.value("bidikv_router_tokens_reused_total"),
+            "stored_notify": r.value("bidikv_router_turns_stored_total", source="notify"),
+            "tenant_misses": r.value("bidikv_router_reuse_misses_total", reason="tenant")}
+
+
+def counters_at(prefill_url: str, decode_url: str, router_url: str) -> dict[str, dict[str, float]]:
+    """P's and D's pull counters (vLLM's own metrics) and the router's reuse counters."""
+    return {"p": pull_counters(prefill_url), "d": pull_counters(decode_url), "router": router_counters(router_url)}
 
 
 def unique_system(tag: str) -> dict[str, str]:

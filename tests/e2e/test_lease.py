@@ -20,8 +20,8 @@ import uuid
 import pytest
 
 from tests.e2e.client import chat
-from tests.e2e.conftest import E2E, unique_system
-from tests.e2e.deployment import DeploymentSpec, Metrics, delta, free_port, pull_counters, start_deployment
+from tests.e2e.conftest import E2E, counters_at, unique_system
+from tests.e2e.deployment import DeploymentSpec, delta, free_port, pull_counters, start_deployment
 from tests.e2e.test_bidirectional import LONG, SHORT, assert_no_pull, reference_text, user
 
 LEASE_S = 12.0
@@ -50,12 +50,6 @@ def heartbeat(router: str, cid: str) -> dict:
         return json.loads(resp.read())
 
 
-def counters(dep) -> dict:
-    r = Metrics.scrape(dep.router.url)
-    return {"p": pull_counters(dep.prefill.url), "d": pull_counters(dep.decode.url),
-            "hits": r.value("bidikv_router_reuse_hits_total")}
-
-
 def test_heartbeats_keep_ds_blocks_past_the_lease(e2e: E2E, leased):
     router = leased.router.url
     kept, lapsed = f"kept-{uuid.uuid4().hex}", f"lapsed-{uuid.uuid4().hex}"
@@ -65,14 +59,14 @@ def test_heartbeats_keep_ds_blocks_past_the_lease(e2e: E2E, leased):
     for cid, messages in talks.items():
         first = chat(router, messages, max_tokens=LONG, conversation_id=cid, timeout=180)
         messages += [{"role": "assistant", "content": first.text}, user("Go on, in more detail. " * 5)]
-    warm = counters(leased)
+    warm = counters_at(leased.prefill.url, leased.decode.url, leased.router.url)
     # turn 2 of both: the lease starts when these finish
     for cid, messages in talks.items():
         second = chat(router, messages, max_tokens=LONG, conversation_id=cid, timeout=180)
         messages += [{"role": "assistant", "content": second.text}, user("And what can go wrong? " * 5)]
     started = time.monotonic()
-    before = counters(leased)
-    assert before["hits"] - warm["hits"] == 2, "turn 2 was not offered D's blocks"
+    before = counters_at(leased.prefill.url, leased.decode.url, leased.router.url)
+    assert before["router"]["hits"] - warm["router"]["hits"] == 2, "turn 2 was not offered D's blocks"
 
     answers = []
     while time.monotonic() - started < TURN_GAP_S:
@@ -86,11 +80,11 @@ def test_heartbeats_keep_ds_blocks_past_the_lease(e2e: E2E, leased):
 
     results = {}
     for cid in (kept, lapsed):
-        step = counters(leased)
+        step = counters_at(leased.prefill.url, leased.decode.url, leased.router.url)
         got = chat(router, talks[cid], max_tokens=SHORT, conversation_id=cid, timeout=180)
         time.sleep(1.5)  # vLLM publishes a read's NIXL stats a step later
-        after = counters(leased)
-        results[cid] = {"p": delta(after["p"], step["p"]), "hits": after["hits"] - step["hits"]}
+        after = counters_at(leased.prefill.url, leased.decode.url, leased.router.url)
+        results[cid] = {"p": delta(after["p"], step["p"]), "hits": after["router"]["hits"] - step["router"]["hits"]}
         assert got.text == reference_text(e2e, talks[cid], SHORT), f"{cid}: text differs from the reference"
 
     assert results[kept]["hits"] == 1, results

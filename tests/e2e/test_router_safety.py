@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from tests.e2e.client import chat, direct_turn
-from tests.e2e.conftest import E2E, unique_system
-from tests.e2e.deployment import Metrics, router_process, wait_healthy
+from tests.e2e.conftest import E2E, router_counters, unique_system
+from tests.e2e.deployment import router_process, wait_healthy
 from tests.e2e.test_bidirectional import LONG, SHORT, assert_no_pull, assert_pulled_from_d, reference_text, user
 
 KEYS = {"alice": "sk-alice-e2e", "bob": "sk-bob-e2e"}
@@ -49,13 +49,6 @@ def tenant_router(e2e: E2E):
         router.stop()
 
 
-def _router_counters(e2e: E2E, url: str) -> dict[str, float]:
-    m = Metrics.scrape(url)
-    return {"hits": m.value("bidikv_router_reuse_hits_total"),
-            "tenant_misses": m.value("bidikv_router_reuse_misses_total", reason="tenant"),
-            "stored_notify": m.value("bidikv_router_turns_stored_total", source="notify")}
-
-
 def test_another_tenant_with_the_same_conversation_id_pulls_nothing(e2e: E2E, tenant_router: str):
     cid = f"shared-id-{uuid.uuid4().hex}"
     alice = [unique_system("alice"), user("Explain how a refrigerator keeps food cold. " * 3)]
@@ -63,9 +56,9 @@ def test_another_tenant_with_the_same_conversation_id_pulls_nothing(e2e: E2E, te
     alice += [{"role": "assistant", "content": first.text}, user("Why does it hum at night? " * 5)]
 
     def turn(messages, key, max_tokens):
-        before, r_before = e2e.counters(), _router_counters(e2e, tenant_router)
+        before, r_before = e2e.counters(), router_counters(tenant_router)
         got = chat(tenant_router, messages, max_tokens=max_tokens, conversation_id=cid, api_key=key)
-        d, r = e2e.settled_delta(before), _router_counters(e2e, tenant_router)
+        d, r = e2e.settled_delta(before), router_counters(tenant_router)
         d["router"] = {k: r[k] - r_before[k] for k in r}
         assert got.text == reference_text(e2e, messages, max_tokens)
         return got, d
