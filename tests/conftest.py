@@ -1,14 +1,32 @@
 """Runs ``async def`` tests (router, bench) in a fresh event loop each, bounded in time, without a plugin.
-Hypothesis tests, which are synchronous, drive tests.router.harness.LoopThread instead."""
+Hypothesis tests, which are synchronous, drive tests.router.harness.LoopThread instead.
+
+Hypothesis runs under a fixed profile, loaded here before any test module is imported (so every
+``@settings(...)`` inherits it):
+
+* ``ci`` (the default): derandomised (the same examples on every run and every machine, so a bug the
+  suite can reach is caught on every run, not on some), no example database, no deadline (2 shared
+  cores), and 200 examples where a test does not set its own count;
+* ``explore``: random seeds and the local database, 1,000 examples: for hunting, not for CI;
+* pick one with ``HYPOTHESIS_PROFILE=explore``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.router.harness import ASYNC_TEST_TIMEOUT_S
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=200,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", derandomize=False, deadline=None, max_examples=1000,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.hookimpl(tryfirst=True)
