@@ -131,13 +131,15 @@ class Cluster:
                 env.process(self._client(conv))
         env.process(self._sampler(self.config.series_interval_s))
         until = self.config.max_sim_time_s
-        if progress is None:
-            env.run(until=None if math.isinf(until) else until)
-        else:
-            step = 60.0
-            while env.peek() != math.inf and env.now < until:
-                env.run(until=min(env.now + step, until))
-                progress(env.now)
+        if progress is not None:
+            # One run() call with or without a bar, so the clock stops where it would without one.
+            # Chunked run(until=now + 60) calls never end: simpy re-queues its stop event, so peek()
+            # never reaches inf; they also stopped the clock on a chunk boundary.
+            env.step = _reporting_step(env, progress)
+        env.run(until=None if math.isinf(until) else until)
+        if progress is not None:
+            del env.step
+            progress(env.now)
         end = env.now
         for d in self.decode:
             d._advance_retention(end)
@@ -160,6 +162,21 @@ class Cluster:
                     rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
                     rec.rejected = "not released by max_sim_time_s"
                     self.records.append(rec)
+
+
+def _reporting_step(env: simpy.Environment, progress: Callable[[float], None], every: int = 4096) -> Callable[[], None]:
+    """``env.step`` that calls ``progress(now)`` every ``every`` events (simpy has no progress hook)."""
+    step = env.step
+    count = 0
+
+    def reporting_step() -> None:
+        nonlocal count
+        step()
+        count += 1
+        if count % every == 0:
+            progress(env.now)
+
+    return reporting_step
 
 
 def simulate(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile | None = None,
