@@ -11,10 +11,10 @@ import pathlib
 import sys
 from typing import Any
 
-from sim.config import PolicyConfig, SimConfig, TopologyConfig, load_config
+from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
 from sim.records import RECORD_FIELDS
 
-_SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig))
+_SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
 _TOP_LEVEL = ("seed", "profile", "num_clients", "max_sim_time_s")
 
 

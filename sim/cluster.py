@@ -2,7 +2,9 @@
 
 This is the only module that builds things; the event loop is simpy's. Clients are closed loop per
 conversation: a turn is released a think/tool gap after the previous one completed (or at its trace
-arrival time, if later), and under a heartbeat lease the client heartbeats through the gap.
+arrival time, if later). Under a heartbeat lease a client heartbeats after a turn for as long as its
+renewal behaviour says (:mod:`sim.clients`: while the session is open, while a tool call runs, never,
+or the clairvoyant "until the next turn"); this module only sends the heartbeats.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import simpy
 
 from calibration.profile import LatencyProfile
 from impl.policy import ConversationStore, HeartbeatLease
+from sim.clients import ClientRenewal
 from sim.config import SimConfig
 from sim.decode import DecodeNode
 from sim.interconnect import Interconnect
@@ -66,6 +69,8 @@ class Cluster:
         self.records: list[TurnRecord] = []
         self.series: list[tuple[float, str, int, int, int, int]] = []
         self._live_clients = 0
+        self.renewal = ClientRenewal(config.clients, config.seed)
+        self.heartbeats_sent = 0
 
     def _next_reuse(self, key: tuple[str, str], now: float) -> float | None:
         """Arrival of the conversation's next turn if it continues the current one (oracle only)."""
@@ -88,29 +93,44 @@ class Cluster:
         lease = self.router.decode[0].retention if self.config.policy.retention == "lease" else None
         if conv.start_s > env.now:
             yield env.timeout(conv.start_s - env.now)
+        renew_until = release = env.now
         for index, turn in enumerate(conv.turns):
             if index:
-                release = env.now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, env.now)
-                yield from self._wait(key, release, lease)
+                yield from self._heartbeats(key, renew_until, release, lease)
+                if release > env.now:
+                    yield env.timeout(release - env.now)
             self._conversations[key] = conv
             self._turn_index[key] = index
             rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
             self.records.append(rec)
             yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens)
+            nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
+            if nxt is not None:
+                release = env.now + nxt.gap_before_s if nxt.arrival_s is None else max(nxt.arrival_s, env.now)
+            if lease is not None:
+                renew_until = self.renewal.renew_until(conv, index, env.now, release if nxt is not None else None)
         self._live_clients -= 1
+        if lease is not None and renew_until > env.now:
+            # after the last turn a lingering client keeps renewing on its own; a pooled client moves on
+            self.env.process(self._heartbeats(key, renew_until, math.inf, lease))
 
-    def _wait(self, key: tuple[str, str], release: float, lease: HeartbeatLease | None) -> Generator[simpy.Event, Any, None]:
-        env = self.env
+    def _heartbeats(self, key: tuple[str, str], until: float, release: float,
+                    lease: HeartbeatLease | None) -> Generator[simpy.Event, Any, None]:
+        """Heartbeat every interval from now (the turn's finish) while before ``until`` and ``release``.
+
+        The next turn retains its blocks afresh, so beats stop before it; beyond the lease's
+        ``max_hold_s`` the router answers ``renewed: false`` and a client stops. Beats also stop once
+        every client is done: the measurement window ends with the last turn for every policy (a fixed
+        TTL's tail after it is not counted either).
+        """
         if lease is None:
-            if release > env.now:
-                yield env.timeout(release - env.now)
             return
-        # the session is live until the next turn: the client heartbeats through the gap
-        while env.now + lease.heartbeat_interval_s < release:
+        env = self.env
+        stop = min(until, release - 1e-9, env.now + lease.max_hold_s)
+        while env.now + lease.heartbeat_interval_s <= stop and self._live_clients > 0:
             yield env.timeout(lease.heartbeat_interval_s)
+            self.heartbeats_sent += 1
             self.router.heartbeat(key)
-        if release > env.now:
-            yield env.timeout(release - env.now)
 
     def _sampler(self, interval: float) -> Generator[simpy.Event, Any, None]:
         while self._live_clients > 0:
@@ -149,6 +169,7 @@ class Cluster:
         summary["prefill_utilisation"] = {p.name: (p.busy_s / end if end > 0 else 0.0) for p in self.prefill}
         summary["bytes_moved"] = self.interconnect.bytes_moved
         summary["transfers"] = self.interconnect.transfers
+        summary["heartbeats"] = self.heartbeats_sent  # client heartbeats relayed to D (lease retention only)
         return SimResult(self.records, summary, self.series, self.config)
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:

@@ -79,6 +79,29 @@ class PolicyConfig:
         return {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAwareCost}[self.placement]()
 
 
+# How simulated clients renew a heartbeat lease (sim/clients.py). Only the lease retention reads
+# heartbeats, so under a TTL or gap-quantile retention these fields change nothing.
+RENEWAL_BEHAVIOURS = ("while_open", "tool_calls", "never", "until_next_turn")
+
+
+@dataclass(slots=True)
+class ClientConfig:
+    client_renewal: str = _f(
+        "while_open",
+        "how clients renew a heartbeat lease: while_open = a chat UI or API session that renews for a linger time "
+        "after every reply, whether or not the user returns; tool_calls = an agent that renews only while its tool "
+        "call runs, not after answering the user; never = no heartbeats (the lease is a fixed TTL of --lease-s); "
+        "until_next_turn = renews exactly until the next turn and stops after the last (knows the future: an upper "
+        "bound, no real client does this)", choices=RENEWAL_BEHAVIOURS)
+    # No public measurement of how long a chat page or API session stays open after a reply exists that we
+    # know of: the default assumes users keep it open about as long as returning users take to come back,
+    # i.e. Mooncake's parent->child gap (p50 126 s, p90 480 s, ../shared/BRIEF.md via sim/workload/mooncake.py).
+    client_linger_p50_s: float = _f(126.0, "while_open: median seconds a client keeps renewing after a reply "
+                                           "(ASSUMPTION: Mooncake's median return gap; no public measurement)")
+    client_linger_p90_s: float = _f(480.0, "while_open: 90th percentile of that linger, lognormal between the two "
+                                           "(ASSUMPTION: Mooncake's p90 return gap); equal to the median = constant")
+
+
 @dataclass(slots=True)
 class SimConfig:
     seed: int = _f(0, "seed; each subsystem derives its own stream from it")
@@ -86,6 +109,7 @@ class SimConfig:
     workload: dict = _f({"kind": "synthetic"}, "workload spec (TOML table [workload]; see sim.workload)")
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    clients: ClientConfig = field(default_factory=ClientConfig)
     num_clients: int = _f(0, "concurrent clients, each running one conversation at a time in order "
                              "(vLLM's multi-turn benchmark: --num-clients); 0 = one client per conversation")
     max_sim_time_s: float = _f(math.inf, "stop the clock here (turns not finished are reported rejected)")
@@ -113,11 +137,15 @@ class SimConfig:
             if not ok:
                 raise ValueError(f"config field {name} {why}")
         for name, value in (("policy.recompute_policy", p.recompute_policy), ("policy.retention", p.retention),
-                            ("policy.placement", p.placement)):
-            choices = _field(type(p), name.split(".")[1]).metadata["choices"]
+                            ("policy.placement", p.placement), ("clients.client_renewal", self.clients.client_renewal)):
+            section, key = name.split(".")
+            choices = _field(type(getattr(self, section)), key).metadata["choices"]
             if value not in choices:
                 raise ValueError(f"config field {name} must be one of {choices}, got {value!r}")
         p.retention_policy()  # the policy's own checks name its fields
+        from sim.clients import linger_distribution
+
+        linger_distribution(self.clients)  # names the field it rejects
         return self
 
 

@@ -80,7 +80,7 @@ def _turns(config: AgenticConfig, system_prompt: int, tokens_rng: random.Random,
             think_s = config.user_think_s.sample(gaps_rng)
             gap_s = think_s if previous_answered else tool_latency_s
         turns.append(Turn(prompt_tokens=prompt, output_tokens=output, gap_before_s=gap_s,
-                          history_revision=revision))
+                          history_revision=revision, tool_call=not answers))
         tool_result = sample_count(config.tool_result_tokens, tokens_rng, minimum=1)
         follow_up = sample_count(config.follow_up_tokens, tokens_rng, minimum=1)
         prompt += output + (follow_up if answers else tool_result)

@@ -20,6 +20,9 @@ class Turn:
     # max(arrival_s, previous turn's completion)); None for closed-loop generators
     arrival_s: float | None = None
     history_revision: int = 0
+    # the model's output is a tool call: the client (an agent) runs the tool and sends the next turn itself,
+    # so it knows it will return; after a turn that answers the user it does not (sim/clients.py)
+    tool_call: bool = False
 
 
 @dataclass(frozen=True, slots=True)
