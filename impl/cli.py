@@ -1,5 +1,10 @@
 """``bidikv``: one console script, one subcommand per job. Each subcommand lives with its concern and
-registers itself here; heavy imports happen only when that subcommand runs."""
+registers itself here; heavy imports happen only when that subcommand runs.
+
+Whatever a subcommand raises for bad input or a broken environment (a ValueError naming the field, a
+missing file, an unwritable directory, an unreachable URL, an extra that is not installed) ends here
+as one line on stderr and exit status 2: a traceback is for bugs, not for a user's typo.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +22,69 @@ SUBCOMMAND_MODULES = [
     "impl.deploy.cli",  # deploy
 ]
 
+# Top-level packages of the optional extras (pyproject.toml): importing one of them on the light
+# install (tools/demo.sh) is a missing extra, not a bug.
+EXTRA_PACKAGES = {"aiohttp": "impl", "vllm": "impl", "nixl": "impl", "torch": "impl", "ray": "ray",
+                  "pyarrow": "pyarrow", "uvloop": "impl"}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("bidikv")
+    except PackageNotFoundError:  # run from a checkout without `pip install -e .`
+        return "unknown (not installed)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bidikv", description="Bidirectional KV-cache transfer: simulate, calibrate, tune, serve.")
+    parser.add_argument("--version", action="version", version=f"bidikv {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).register(sub)
     return parser
 
 
+def _os_error(exc: OSError) -> str:
+    # str(OSError) repeats errno; "No such file or directory: 'x.jsonl'" is what a user can act on
+    what = exc.strerror or str(exc) or type(exc).__name__
+    name = exc.filename if exc.filename is not None else None
+    return f"{what}: {name!r}" if name else what
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    top = (exc.name or "").split(".")[0]
+    if top not in EXTRA_PACKAGES:
+        return None
+    extra = EXTRA_PACKAGES[top]
+    how = f"pip install {top}" if extra == top else f"pip install 'bidikv[{extra}]'"
+    return f"this needs {top}, which is not installed: {how}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    where = f"bidikv {args.command}: error:"
     try:
         return int(args.run(args) or 0)
     except ValueError as exc:  # bad input: name it, no traceback
-        print(f"bidikv {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{where} {exc}", file=sys.stderr)
+    except ModuleNotFoundError as exc:
+        message = _missing_extra(exc)
+        if message is None:
+            raise  # our own module missing is a bug: keep the traceback
+        print(f"{where} {message}", file=sys.stderr)
+    except BrokenPipeError:  # `bidikv ... | head`: the reader left, nothing to say
+        sys.stdout = None  # type: ignore[assignment]  # no flush (and no second EPIPE) at exit
+        return 1
+    except OSError as exc:  # files, directories, sockets, unreachable URLs (aiohttp's are OSErrors too)
+        print(f"{where} {_os_error(exc)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"bidikv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 2
 
 
 if __name__ == "__main__":

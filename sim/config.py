@@ -129,6 +129,9 @@ class SimConfig:
             (p.kv_recompute_threshold >= 0, "policy.kv_recompute_threshold", "must be >= 0"),
             (p.decoder_kv_blocks_ttl >= 0, "policy.decoder_kv_blocks_ttl", "must be >= 0 (inf allowed)"),
             (p.expiry_margin_s >= 0 and math.isfinite(p.expiry_margin_s), "policy.expiry_margin_s", "must be finite and >= 0"),
+            (p.max_conversations >= 1, "policy.max_conversations", "must be >= 1"),
+            (math.isfinite(t.nic_line_rate_bytes_per_s), "topology.nic_line_rate_bytes_per_s", "must be finite"),
+            (math.isfinite(self.series_interval_s), "series_interval_s", "must be finite"),
             (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
             (self.num_clients >= 0, "num_clients", "must be >= 0"),
             (self.series_interval_s > 0, "series_interval_s", "must be > 0"),
@@ -142,11 +145,26 @@ class SimConfig:
             choices = _field(type(getattr(self, section)), key).metadata["choices"]
             if value not in choices:
                 raise ValueError(f"config field {name} must be one of {choices}, got {value!r}")
-        p.retention_policy()  # the policy's own checks name its fields
+        # Every retention's fields are checked whichever is selected: a flag that is ignored today
+        # (--lease-s -1 under ttl) would be a silent surprise the day the retention changes.
+        for retention in ("ttl", "lease", "gap_quantile"):
+            try:
+                dataclasses.replace(p, retention=retention).retention_policy()
+            except ValueError as exc:
+                raise ValueError(f"config field policy ({retention} retention): {_policy_field_names(str(exc))}") from None
         from sim.clients import linger_distribution
 
         linger_distribution(self.clients)  # names the field it rejects
         return self
+
+
+# impl.policy names its constructor arguments; a user knows the config's names for them
+_POLICY_ARG_FIELDS = {"max_hold_s": "lease_max_hold_s", "quantile": "gap_quantile", "cap_s": "gap_ttl_cap_s"}
+
+
+def _policy_field_names(message: str) -> str:
+    head, sep, rest = message.partition(" ")
+    return f"{_POLICY_ARG_FIELDS.get(head, head)}{sep}{rest}"
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
