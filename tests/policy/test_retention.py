@@ -55,22 +55,54 @@ def test_lease_rejects_interval_not_below_lease():
         HeartbeatLease(lease_s=10, heartbeat_interval_s=10)
 
 
-@given(gaps=st.lists(st.floats(min_value=0, max_value=5000, allow_nan=False), min_size=0, max_size=300),
-       q=st.floats(min_value=0.01, max_value=1.0))
-def test_gap_quantile_ttl_is_clamped_quantile_of_window(gaps, q):
-    policy = GapQuantileTTL(quantile=q, cap_s=900, floor_s=10, initial_s=480, min_samples=20, window=100, margin_s=5)
-    for g in gaps:
+def nearest_rank(window: list[float], q: float) -> float:
+    """The smallest sample with at least a fraction q of the window at or below it (counted, not ranked)."""
+    return min(x for x in window if sum(1 for y in window if y <= x) >= q * len(window))
+
+
+WINDOW, MIN_SAMPLES = 100, 20
+# quantiles where ceil(q*n) and round(q*n) part for many window lengths, plus arbitrary ones
+quantiles = st.one_of(st.sampled_from([0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 0.01]), st.floats(min_value=0.01, max_value=1.0))
+# mostly distinct gaps (so a wrong rank shows as a wrong value), some repeated (ties)
+gap_values = st.one_of(st.integers(0, 5000).map(float), st.sampled_from([0.0, 30.0, 126.0]),
+                       st.floats(min_value=0, max_value=5000, allow_nan=False))
+
+
+@given(n=st.one_of(st.sampled_from([MIN_SAMPLES - 1, MIN_SAMPLES, WINDOW, WINDOW + 1]),
+                   st.integers(MIN_SAMPLES, 3 * WINDOW)),
+       data=st.data(), q=quantiles)
+def test_gap_quantile_ttl_is_clamped_quantile_of_window(n, data, q):
+    """Windows of at least ``min_samples`` (the quantile branch) and beyond the window bound (old gaps leave)."""
+    gaps = data.draw(st.lists(gap_values, min_size=n, max_size=n), label="gaps")
+    policy = GapQuantileTTL(quantile=q, cap_s=900, floor_s=10, initial_s=480, min_samples=MIN_SAMPLES, window=WINDOW,
+                            margin_s=5)
+    # checked after every observation from the 19th on: the window rolls, the quantile follows
+    for i, g in enumerate(gaps, start=1):
         policy.observe_gap(g)
-    window = gaps[-100:]
-    if len(window) < 20:
-        assert policy.ttl_s == 480
-    else:
-        ordered = sorted(window)
-        at_or_below = [x for x in ordered if sum(1 for y in ordered if y <= x) >= q * len(ordered)]
-        expected = min(max(at_or_below[0] + 5, 10), 900)
-        assert policy.ttl_s == pytest.approx(expected)
-    assert 10 <= policy.ttl_s <= 900
+        if i < MIN_SAMPLES - 1 or (i % 7 and i != len(gaps)):
+            continue
+        window = gaps[:i][-WINDOW:]
+        if len(window) < MIN_SAMPLES:
+            assert policy.ttl_s == 480
+        else:
+            assert policy.ttl_s == min(max(nearest_rank(window, q) + 5, 10), 900), (i, q)
     assert policy.renew(123.0, 0.0, 50.0) == 123.0
+
+
+def test_gap_quantile_nearest_rank_is_the_ceiling():
+    # 25 distinct gaps 1..25 s, q = 0.9: 0.9 x 25 = 22.5, so the nearest rank is the 23rd smallest (23 s),
+    # not the 22nd that rounding would give; + 5 s margin
+    policy = GapQuantileTTL(quantile=0.9, floor_s=0, min_samples=20, window=25, margin_s=5)
+    for g in range(25, 0, -1):
+        policy.observe_gap(float(g))
+    assert policy.ttl_s == 23 + 5
+    # the window keeps the 25 most recent: three short gaps push out the three oldest (25, 24, 23 s),
+    # not the three smallest; the window is then 0.5 x 3 and 1..22, whose 23rd smallest is 20 s
+    for _ in range(3):
+        policy.observe_gap(0.5)
+    assert policy.ttl_s == 20 + 5
+    policy.observe_gap(0.25)  # 22 leaves; the 23rd smallest of {0.25, 0.5 x 3, 1..21} is 19
+    assert policy.ttl_s == 19 + 5
 
 
 def test_gap_quantile_ignores_bad_samples_and_validates():

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from impl.policy import ConversationEntry, ConversationStore, ItemsPrompt, MissReason, sequence_digest
 
 TENANTS = ["acme", "globex"]
 CONVS = ["c0", "c1", "c2", "c3", "c4"]
-MARGIN = 5.0
 BOUND = 3
+EIGHTH = 0.125  # every time and TTL is a multiple of 1/8 s: exact in binary, so edges are exact too
+
+# where a time step lands relative to an entry's usable end u = expires_at - margin: inside the
+# purge bucket before u (the wheel must not sweep it early), exactly at u, inside the margin
+# window [u, expires_at), at expiry and just past it
+EDGE_OFFSETS = [-1.0, -0.5, -EIGHTH, 0.0, EIGHTH, 2.5, 4.875, 5.0, 5.125]
 
 
 def entry(tokens: list[int], expires_at: float, instance: str = "d0") -> ConversationEntry:
@@ -20,68 +25,120 @@ def entry(tokens: list[int], expires_at: float, instance: str = "d0") -> Convers
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """Reference: key -> (tokens, expires_at) in recency order, with the rules spelled out.
+    """Reference: key -> (tokens, expires_at, instance) in recency order, with the rules spelled out.
 
-    When the store purges is its own business (one-second buckets), so the reference drops an
-    expired key whenever the store has; a live key may only leave by LRU eviction, oldest live first.
+    Prompts are mostly drawn from what is stored (continuations, shortened or edited copies), so hits,
+    guard misses, LRU reordering of a full store and the margin window are all reached. When the store
+    purges an expired entry is its own business (buckets of ``bucket_s``); a live one may only leave by
+    LRU eviction, in a ``record_success`` that overfilled the store, oldest live first.
     """
 
     def __init__(self):
         super().__init__()
-        self.store = ConversationStore(max_entries=BOUND, expiry_margin_s=MARGIN)
         self.now = 0.0
-        self.ref: dict[tuple[str, str], tuple[list[int], float]] = {}  # insertion order == recency order
+        self.ref: dict[tuple[str, str], tuple[list[int], float, str]] = {}  # insertion order == recency
+        self.turns = 0
+        self.hits = 0
+
+    @initialize(margin=st.sampled_from([5.0, 0.0, 2.5]), bucket_s=st.sampled_from([1.0, 0.25, 7.0]))
+    def setup(self, margin, bucket_s):
+        self.margin = margin
+        self.store = ConversationStore(max_entries=BOUND, expiry_margin_s=margin, bucket_s=bucket_s)
 
     def live(self, key) -> bool:
-        return self.now < self.ref[key][1] - MARGIN
+        return self.now < self.ref[key][1] - self.margin
 
-    def _touch(self, key):
-        self.ref[key] = self.ref.pop(key)
-
-    def _sync(self):
+    def _sync(self, may_evict: bool):
         gone = [k for k in self.ref if self.store.get(*k) is None]
         live_order = [k for k in self.ref if self.live(k)]
         evicted_live = [k for k in gone if self.live(k)]
-        # live keys leave only by LRU: exactly the oldest live ones
-        assert evicted_live == live_order[: len(evicted_live)], (evicted_live, live_order)
+        if not may_evict:
+            assert not evicted_live, f"live entries left without an insertion: {evicted_live}"
+        else:
+            # at most one per insertion, only from a store at its bound, and the least recently used
+            assert len(evicted_live) <= 1 and (not evicted_live or len(self.store) == BOUND), evicted_live
+            assert evicted_live == live_order[: len(evicted_live)], (evicted_live, live_order)
         for k in gone:
             del self.ref[k]
 
-    @rule(dt=st.floats(min_value=0, max_value=40))
-    def advance(self, dt):
-        self.now += dt
+    def _time_to(self, t: float) -> None:
+        assert t >= self.now
+        self.now = t
 
-    @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS),
-          tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6), ttl=st.floats(min_value=0, max_value=60))
-    def succeed(self, tenant, conv, tokens, ttl):
+    # -- time ----------------------------------------------------------------------------------
+    @rule(steps=st.integers(0, 320))
+    def advance(self, steps):
+        self._time_to(self.now + steps * EIGHTH)
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data(), offset=st.sampled_from(EDGE_OFFSETS))
+    def advance_to_an_edge(self, data, offset):
+        key = data.draw(st.sampled_from(sorted(self.ref)))
+        target = self.ref[key][1] - self.margin + offset
+        if target >= self.now:
+            self._time_to(target)
+
+    # -- turns ---------------------------------------------------------------------------------
+    @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data(),
+          ttl_eighths=st.integers(0, 480))
+    def succeed(self, tenant, conv, data, ttl_eighths):
         key = (tenant, conv)
-        self.store.record_success(tenant, conv, entry(tokens, self.now + ttl), self.now)
+        held = self.ref.get(key)
+        if held is not None and data.draw(st.booleans(), label="continue the held sequence"):
+            tokens = held[0] + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3), label="suffix")
+        else:
+            tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=6), label="tokens")
+        expires_at = self.now + ttl_eighths * EIGHTH
+        self.turns += 1
+        instance = f"d{self.turns}"
+        self.store.record_success(tenant, conv, entry(tokens, expires_at, instance), self.now)
         self.ref.pop(key, None)
-        if self.now < self.now + ttl - MARGIN:
-            self.ref[key] = (tokens, self.now + ttl)
-            assert self.store.get(*key) is not None  # a fresh live entry is never the one evicted
-        self._sync()
+        if self.now < expires_at - self.margin:
+            self.ref[key] = (tokens, expires_at, instance)
+            assert self.store.get(*key).decode_instance == instance  # a fresh live entry is never the one evicted
+        else:
+            assert self.store.get(*key) is None  # born expired: not stored, not even the old turn's entry
+        self._sync(may_evict=True)
 
-    @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS),
-          prompt=st.lists(st.integers(0, 3), max_size=9))
-    def lookup(self, tenant, conv, prompt):
+    @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data())
+    def lookup(self, tenant, conv, data):
         key = (tenant, conv)
+        stored = sorted(self.ref)
+        shape = data.draw(st.sampled_from(["continue", "exact", "short", "edit", "random"]), label="shape")
+        if shape == "random" or not stored:
+            prompt = data.draw(st.lists(st.integers(0, 3), max_size=9), label="prompt")
+        else:
+            # usually this key's own held sequence, sometimes another key's (a foreign tenant's history)
+            source = key if key in self.ref and data.draw(st.booleans()) else data.draw(st.sampled_from(stored))
+            base = list(self.ref[source][0])
+            if shape == "continue":
+                prompt = base + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4), label="suffix")
+            elif shape == "exact":
+                prompt = base
+            elif shape == "short":
+                prompt = base[:-1]
+            else:
+                i = data.draw(st.integers(0, len(base) - 1), label="edited at")
+                prompt = base[:i] + [base[i] + 1] + base[i + 1:] + [0]
         got = self.store.lookup(tenant, conv, ItemsPrompt(prompt), self.now)
-        self._sync()
+        self._sync(may_evict=False)
         ref = self.ref.get(key)
         valid = ref is not None and self.live(key) and prompt[: len(ref[0])] == ref[0]
-        assert got.hit == valid, (key, got, ref, prompt)
+        assert got.hit == valid, (key, got, ref, prompt, self.now)
         if got.hit:
-            # never expired, never foreign, always continued
-            assert self.now < got.entry.expires_at - MARGIN
+            # never expired, never foreign, always continued, always the latest turn's entry
+            assert self.now < got.entry.expires_at - self.margin
             assert got.entry.held_digest == sequence_digest(prompt[: got.entry.held_len])
-            self._touch(key)
+            assert got.entry.decode_instance == ref[2]
+            self.ref[key] = self.ref.pop(key)  # a hit makes it the most recently used
+            self.hits += 1
         elif ref is not None and not self.live(key):
             assert got.miss is MissReason.EXPIRED
         elif ref is not None:
             assert got.miss is MissReason.GUARD
         elif any(k[1] == conv and self.live(k) for k in self.ref):
             assert got.miss is MissReason.TENANT
+        assert self.store.stats.hits == self.hits
 
     @rule()
     def fail_turn(self):
@@ -89,11 +146,12 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def bounded(self):
-        assert len(self.store) <= BOUND
+        if hasattr(self, "store"):
+            assert len(self.store) <= BOUND
 
 
 TestStoreStateful = StoreMachine.TestCase
-TestStoreStateful.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestStoreStateful.settings = settings(max_examples=300, stateful_step_count=40)
 
 
 def test_failed_turn_keeps_entry_and_success_replaces():
