@@ -53,6 +53,7 @@ from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import Endpoint, RequestError, parse_json_body, parse_turn
+from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
 
@@ -150,6 +151,7 @@ class Router:
         except Exception:
             log.exception("unhandled error on %s", route)
             response = error_response(500, "internal router error", "internal_error")
+        response = withhold_kv_locations(response)
         self.metrics.requests.inc(route, str(response.status))
         return response
 
@@ -157,7 +159,7 @@ class Router:
         if self.tenants.tenant_for(request.headers.get("Authorization")) is None:
             response = unauthenticated_response()
         else:
-            response = await self._models_from_upstream()
+            response = withhold_kv_locations(await self._models_from_upstream())
         self.metrics.requests.inc("/v1/models", str(response.status))
         return response
 
@@ -217,6 +219,23 @@ class Router:
         self.metrics.notifications.inc(result)
         self.metrics.requests.inc(NOTIFY_PATH, str(response.status))
         return response
+
+
+def withhold_kv_locations(response: web.StreamResponse) -> web.StreamResponse:
+    """The last check on a whole body before it leaves (D's JSON answer, P's and D's 4xx passed on):
+    whatever spelling of KV locations it holds is removed, and a body that could hold one but cannot
+    be parsed is withheld. Streamed answers were checked event by event (impl.router.sse)."""
+    if type(response) is not web.Response:
+        return response
+    body = response.body
+    if not isinstance(body, bytes):
+        return response
+    clean = scrub_body(body)
+    if clean is None:
+        return error_response(502, "an upstream answer could not be checked for KV locations; withheld", "upstream_error")
+    if clean is not body:
+        response.body = clean
+    return response
 
 
 def _client_cache_salt(body: dict) -> str | None:

@@ -9,6 +9,10 @@ in the middle of a half-forwarded one.
 
 Per the SSE spec a line ends with CRLF, LF or CR and an empty line ends an event; only ``data:``
 fields matter here (vLLM names no events), several ``data:`` lines join with ``\\n``.
+
+Every event comes out of the splitter already checked by :mod:`impl.router.scrub` (so no caller can
+forget it): one that could spell a KV location is re-encoded without it, one that could but cannot
+be parsed is replaced by an error event, a suspicious comment is dropped.
 """
 
 from __future__ import annotations
@@ -16,10 +20,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from impl.router.scrub import SUSPECT, scrub_event
+
 _BOUNDARY = re.compile(rb"(?:\r\n|\n|\r)(?:\r\n|\n|\r)")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 
 DONE = b"[DONE]"
+# what replaces an event that could carry KV locations but cannot be parsed (capture reads it as D's error)
+REFUSED_DATA = (b'{"error":{"message":"decode instance sent an event the router could not check for KV locations; '
+                b'dropped","type":"upstream_error","code":502}}')
 
 
 class SSEError(Exception):
@@ -30,6 +39,19 @@ class SSEError(Exception):
 class SSEEvent:
     raw: bytes  # the event's bytes as received, including its terminating blank line
     data: bytes | None  # joined data fields; None for comment-only / field-less blocks (keep-alives)
+
+
+def checked_event(raw: bytes, data: bytes | None) -> SSEEvent:
+    """The event as the client may see it (see the module doc); ``data`` is what capture reads."""
+    if data is None:
+        return SSEEvent(b"" if SUSPECT.search(raw) else raw, None)
+    cleaned = scrub_event(data)
+    if cleaned is None:
+        return SSEEvent(format_event(REFUSED_DATA), REFUSED_DATA)
+    client, capture = cleaned
+    if client is data:
+        return SSEEvent(raw, data)
+    return SSEEvent(format_event(client), capture)
 
 
 def event_data(block: bytes) -> bytes | None:
@@ -74,9 +96,10 @@ class SSESplitter:
             while (end := find(b"\n\n", start)) >= 0:
                 block = buf[start:end + 2]
                 if buf.startswith(b"data: ", start) and find(b"\n", start, end) < 0:
-                    events.append(SSEEvent(block, buf[start + 6:end]))  # one "data: ..." line
+                    data = buf[start + 6:end]  # one "data: ..." line
+                    events.append(SSEEvent(block, data) if SUSPECT.search(data) is None else checked_event(block, data))
                 else:
-                    events.append(SSEEvent(block, event_data(block)))
+                    events.append(checked_event(block, event_data(block)))
                 start = end + 2
             self._buf = buf[start:]
             if len(self._buf) > self.max_event_bytes:
@@ -88,7 +111,7 @@ class SSESplitter:
             if end == n and buf[-1:] == b"\r":
                 break  # a trailing CR may be the first half of CRLF: wait for the next byte
             block = buf[start:end]
-            events.append(SSEEvent(block, event_data(block)))
+            events.append(checked_event(block, event_data(block)))
             start = end
         self._buf = buf[start:]
         if len(self._buf) > self.max_event_bytes:
@@ -99,7 +122,7 @@ class SSESplitter:
         """At end of stream: a tail ended by a lone CR pair is still an event; anything else is cut."""
         buf, self._buf = self._buf, b""
         if buf and _BOUNDARY.search(buf):
-            return [SSEEvent(buf, event_data(buf))]
+            return [checked_event(buf, event_data(buf))]
         return []
 
     def take_incomplete(self) -> bytes:

@@ -60,7 +60,11 @@ class FakeVllmUpstream:
     chunk_delay_s: float = 0.0
     # kill_mid_stream | no_done | malformed_final | error_event | stall (D, mid-stream);
     # http_500 | http_500_on_pull | http_400 | slow (before answering)
+    # leaky (issue 16): inject_events (D streams the raw payloads of ``inject`` before [DONE]),
+    # inject_json (D's JSON answer gets ``inject``'s fields in its choice), http_4xx_body (answers
+    # ``inject`` = (status, raw body))
     fault: str | None = None
+    inject: Any = None
     fault_after: int = 2  # content chunks sent before a mid-stream fault
     slow_s: float = 5.0  # how long "slow"/"stall" take
     notify_delay_s: float = 0.0
@@ -131,6 +135,9 @@ class FakeVllmUpstream:
         if self.fault == "http_500" or (self.fault == "http_500_on_pull"
                                         and (body.get("kv_transfer_params") or {}).get("remote_block_ids")):
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
+        if self.fault == "http_4xx_body":
+            status, raw = self.inject
+            return web.Response(status=status, body=raw, headers={"Content-Type": "application/json"})
         if self.fault == "http_400":
             return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}}, status=400)
         if self.fault == "slow":
@@ -175,6 +182,8 @@ class FakeVllmUpstream:
         choice.update({"message": {"role": "assistant", "content": answer}} if chat else {"text": answer})
         if body.get("return_token_ids"):
             choice["token_ids"] = [1000 + i for i in range(self.chunks)]
+        if self.fault == "inject_json":
+            choice.update(self.inject)
         out: dict[str, Any] = {"id": "cmpl-d", "object": "chat.completion" if chat else "text_completion",
                                "model": "fake-model", "choices": [choice]}
         params = self._d_params(body)
@@ -230,6 +239,9 @@ class FakeVllmUpstream:
             await send(chunk)
         if self.style in ("notify", "both"):
             self._spawn(self._notify(body, params))
+        if self.fault == "inject_events":
+            for raw in self.inject:
+                await resp.write(raw + b"\n\n" if raw.startswith(b":") else b"data: " + raw + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -27,6 +27,11 @@ def vllm_stream(chat: bool, texts: list[str], params: dict | None, newline: byte
     return events
 
 
+def parse_events(raw: bytes) -> list:
+    blocks = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")
+    return [json.loads(b[6:]) if b.startswith(b"data: {") else b for b in blocks if b]
+
+
 def cut(data: bytes, points: list[int]) -> list[bytes]:
     points = sorted({p % (len(data) + 1) for p in points})
     pieces, start = [], 0
@@ -48,16 +53,18 @@ def test_any_chunking_yields_the_same_events_and_capture(texts, chat, newline, p
     forwarded = b""
     for piece in cut(stream, points):
         for ev in splitter.feed(piece):
-            forwarded += ev.raw
-            if ev.data is not None:
-                capture.on_event(ev.data)
+            replacement = capture.on_event(ev.data) if ev.data is not None else None
+            forwarded += ev.raw if replacement is None else b"data: " + replacement + b"\n\n"  # as proxy.py does
     for ev in splitter.flush():
-        forwarded += ev.raw
-        if ev.data is not None:
-            capture.on_event(ev.data)
+        replacement = capture.on_event(ev.data) if ev.data is not None else None
+        forwarded += ev.raw if replacement is None else b"data: " + replacement + b"\n\n"
     capture.finish()
     assert splitter.take_incomplete() == b""
-    assert forwarded == stream  # nothing lost, nothing reordered
+    if not with_params:
+        assert forwarded == stream  # nothing lost, nothing reordered
+    else:  # the same events, the params event re-encoded without them
+        assert parse_events(forwarded) == parse_events(b"".join(vllm_stream(chat, texts, None, newline)))
+        assert b"remote_" not in forwarded
     assert capture.complete and capture.answer == "".join(texts)
     assert capture.kv_params == (PARAMS if with_params else None)
 
