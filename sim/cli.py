@@ -1,4 +1,23 @@
-"""``bidikv simulate``: flags generated from the config dataclasses (one source of defaults)."""
+"""``bidikv simulate``: flags generated from the config dataclasses (one source of defaults).
+
+``--json`` prints one object of a fixed shape, whatever the flags (``--compare`` only adds a run)::
+
+    {"format": "bidikv.simulate/1",
+     "workload": {"kind", "description", "conversations", "turns"},
+     "runs": {"on": SUMMARY, "off": SUMMARY},   # only the modes that ran ("on" and/or "off")
+     "warnings": [str, ...]}
+
+SUMMARY is :func:`sim.records.summarize`'s dict, except that ``ttft_by_prompt_bucket`` is replaced by
+``prompt_buckets``: a list in increasing prompt length, one entry per bucket that has turns, with
+``bucket`` ("4-8k"), ``min_tokens``, ``max_tokens`` (null for the last, open bucket), ``turns``,
+``first_turns`` and ``later_turns`` (TTFT distributions: ``n``, ``p50_ms``, ``p90_ms``, ``p99_ms``,
+``mean_ms``) and ``queue_mean_ms`` (time waiting for P and D, mean over the bucket's turns).
+
+The output is strict JSON: never ``NaN`` or ``Infinity``. ``null`` stands for "no value" (a
+percentile of no turns) and, for a limit, "no limit": ``"decoder_kv_blocks_ttl": null`` in
+config.json means blocks are never released by time (what ``--decoder-kv-blocks-ttl inf`` asks for),
+``"max_sim_time_s": null`` that the clock runs until the last turn ends.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +26,52 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
-from sim.records import RECORD_FIELDS
+from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, percentile
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
 _TOP_LEVEL = ("seed", "profile", "num_clients", "max_sim_time_s")
+JSON_FORMAT = "bidikv.simulate/1"
+
+# Warn when the answer is about capacity rather than reuse (what the warnings suggest to change).
+UTILISATION_WARN = 0.95
+QUEUE_SHARE_WARN = 0.5  # queueing over this share of mean TTFT
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _metavar(name: str, default: Any) -> str:
+    if name.endswith("_s") or name.endswith("_ttl"):
+        return "SECONDS"
+    if "tokens" in name or "threshold" in name:
+        return "TOKENS"
+    if isinstance(default, int):
+        return "N"
+    if isinstance(default, float):
+        return "NUMBER"
+    return "NAME" if name != "profile" else "NAME|PATH"
+
+
+def number(kind: type) -> Callable[[str], Any]:
+    """argparse type: an int or a float, never NaN (argparse names the flag when this raises)."""
+
+    def parse(text: str) -> Any:
+        if kind is int:
+            return int(text)
+        value = float(text)
+        if math.isnan(value):
+            raise ValueError(text)
+        return value
+
+    parse.__name__ = "integer" if kind is int else "number"  # argparse's message: "invalid integer value"
+    return parse
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,27 +79,76 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     defaults = SimConfig()
     for name in _TOP_LEVEL:
         f = {f.name: f for f in dataclasses.fields(SimConfig)}[name]
-        parser.add_argument(_flag(name), dest=f"cfg__{name}", default=None, type=type(getattr(defaults, name)),
-                            help=f"{f.metadata['help']} (default: {getattr(defaults, name)})")
+        default = getattr(defaults, name)
+        kw: dict[str, Any] = {"dest": f"cfg__{name}", "default": None, "metavar": _metavar(name, default),
+                              "help": f"{f.metadata['help']} (default: {_shown(default)})"}
+        kw["type"] = number(type(default)) if isinstance(default, (int, float)) else str
+        parser.add_argument(_flag(name), **kw)
     for section, cls in _SECTIONS:
         group = parser.add_argument_group(section)
         instance = getattr(defaults, section)
         for f in dataclasses.fields(cls):
             default = getattr(instance, f.name)
-            kw: dict[str, Any] = {"dest": f"cfg__{section}__{f.name}", "default": None,
-                                  "help": f"{f.metadata['help']} (default: {default})"}
+            kw = {"dest": f"cfg__{section}__{f.name}", "default": None,
+                  "help": f"{f.metadata['help']} (default: {_shown(default)})"}
             if isinstance(default, bool):
                 kw["action"] = argparse.BooleanOptionalAction
+            elif "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
             else:
-                kw["type"] = type(default)
-                if "choices" in f.metadata:
-                    kw["choices"] = f.metadata["choices"]
+                kw["type"] = number(type(default)) if isinstance(default, (int, float)) else str
+                kw["metavar"] = _metavar(f.name, default)
             group.add_argument(_flag(f.name), **kw)
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", dest="workload_kind", default=None, choices=("synthetic", "agentic", "mooncake"),
-                   help="workload generator (default: synthetic, the published benchmark's settings)")
-    w.add_argument("--trace", default=None, help="Mooncake JSONL trace path (implies --workload mooncake)")
-    w.add_argument("--conversations", type=int, default=None, help="number of conversations (synthetic/agentic)")
+                   help=f"workload generator (default: {describe_spec(defaults.workload)})")
+    w.add_argument("--trace", default=None, metavar="PATH",
+                   help="Mooncake JSONL trace (implies --workload mooncake; download: "
+                        "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces)")
+    w.add_argument("--conversations", type=number(int), default=None, metavar="N",
+                   help="number of conversations (synthetic/agentic; the other workload settings are kept)")
+
+
+def _shown(default: Any) -> str:
+    return "no limit" if isinstance(default, float) and math.isinf(default) else f"{default}"
+
+
+def describe_spec(spec: dict) -> str:
+    """The [workload] table in words (before generating it)."""
+    kind = spec.get("kind", "synthetic")
+    if kind == "mooncake":
+        return f"Mooncake trace {spec.get('path', '?')} (its own arrival times)"
+    what = {"synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
+            "agentic": "agentic tool loops"}.get(kind, kind)
+    n = spec.get("num_conversations")
+    rate = spec.get("arrival_rate_per_s")
+    start = (f"arriving as a Poisson stream at {rate:g}/s (one every {1 / rate:g} s on average)" if rate
+             else "all starting at 0 s")
+    return f"{what}, {n if n is not None else 'the generator default number of'} conversations {start}"
+
+
+def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[str, Any]:
+    """What was simulated, in words a reader can check against --help: counts and observed think time."""
+    turns = sum(len(c.turns) for c in conversations)
+    gaps: list[float] = []
+    for c in conversations:
+        previous = c.start_s
+        for i, t in enumerate(c.turns):
+            if i and t.arrival_s is not None:
+                gaps.append(t.arrival_s - previous)
+            elif i:
+                gaps.append(t.gap_before_s)
+            previous = t.arrival_s if t.arrival_s is not None else previous
+    gaps.sort()
+    text = f"{describe_spec(config.workload)}: {len(conversations):,} conversations, {turns:,} turns"
+    if gaps:
+        text += (f"; time between turns p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s"
+                 if config.workload.get("kind") == "mooncake" else
+                 f"; think time after a reply p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s")
+    if config.num_clients:
+        text += f"; {config.num_clients} clients, each running one conversation at a time"
+    return {"kind": config.workload.get("kind", "synthetic"), "description": text,
+            "conversations": len(conversations), "turns": turns}
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
@@ -73,6 +174,8 @@ def workload_from_args(base: dict, args: argparse.Namespace) -> dict:
     if args.conversations is not None:
         if workload.get("kind", "synthetic") == "mooncake":
             raise ValueError("--conversations does not apply to a trace (its conversations are fixed)")
+        if args.conversations < 1:
+            raise ValueError(f"--conversations must be >= 1, got {args.conversations}")
         workload["num_conversations"] = args.conversations
     return workload
 
@@ -84,76 +187,226 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("simulate", help="simulate a multi-turn workload on a P/D cluster",
-                              description="Simulate router, prefill and decode nodes and the interconnect, with "
-                                          "decisions from impl.policy. Prints TTFT by prompt length.")
-    p.add_argument("--config", default=None, help="TOML config file (flags override it)")
+    default = describe_spec(SimConfig().workload)
+    p = subparsers.add_parser(
+        "simulate", help="simulate a multi-turn workload on a P/D cluster",
+        description="Simulate router, prefill and decode nodes and the interconnect, with decisions from impl.policy, "
+                    f"and print TTFT by prompt length, first turns apart from later turns. Default workload: {default}, "
+                    "on 1 prefill + 1 decode instance (1P1D) of the qwen3-32b@p5en-tp8 profile.")
+    p.add_argument("--config", default=None, metavar="TOML", help="TOML config file (flags override it)")
     add_config_flags(p)
     p.add_argument("--compare", action="store_true", help="run bidirectional ON and OFF and print both")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    p.add_argument("--out", default=None, help="directory for records.csv, series.csv and summary.json")
+    p.add_argument("--json", action="store_true", help=f"print a JSON object on stdout ({JSON_FORMAT}; strict JSON, "
+                                                        "null for no value or no limit)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for records.csv, series.csv, summary.json and config.json (one per mode with --compare)")
     p.add_argument("--parquet", action="store_true", help="also write records.parquet (needs pyarrow)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on when stderr is a terminal)")
+                   help="progress bar with an estimate of the time left (default: on when stderr is a terminal)")
     p.set_defaults(run=run)
+
+
+def load_conversations(config: SimConfig) -> list[Any]:
+    """The workload, refused before the run starts when it is empty or would not fit in memory."""
+    from sim.workload import load_workload
+
+    conversations = load_workload(config.workload, config.seed)
+    if not conversations:
+        raise ValueError(f"workload {describe_spec(config.workload)} has no conversations (empty trace?)")
+    turns = sum(len(c.turns) for c in conversations)
+    need = turns * RECORD_BYTES
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"{turns:,} turns need about {need / 1e9:,.1f} GB for their records, more than the "
+                         f"{have / 1e9:,.1f} GB available: simulate fewer conversations or a shorter trace")
+    return conversations
+
+
+# What one simulated turn keeps (its record, its conversation's share, the summary's lists), measured
+# with tracemalloc on the default workload: ~1.3 kB; doubled for headroom.
+RECORD_BYTES = 2600
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every platform reports it
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
     from sim.runner import run_config  # heavy imports only when simulating
 
     config = config_from_args(args)
+    if args.out:
+        prepare_dir(args.out, "--out")
+    conversations = load_conversations(config)
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     modes = (True, False) if args.compare else (config.policy.bidirectional,)
     results = {}
     for bidirectional in modes:
         cfg = dataclasses.replace(config, policy=dataclasses.replace(config.policy, bidirectional=bidirectional))
-        results["on" if bidirectional else "off"] = run_config(cfg, progress=show_progress)
+        results["on" if bidirectional else "off"] = run_config(cfg, progress=show_progress, conversations=conversations)
+    workload = describe_workload(config, conversations)
+    warnings = capacity_warnings(results, config)
     if args.out:
         for mode, result in results.items():
             write_outputs(pathlib.Path(args.out) / mode if len(results) > 1 else pathlib.Path(args.out), result,
                           args.parquet)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if args.json:
-        payload = {mode: r.summary for mode, r in results.items()} if len(results) > 1 else next(iter(results.values())).summary
-        print(json.dumps(payload, indent=2, sort_keys=True, default=_json_default))
+        payload = {"format": JSON_FORMAT, "workload": workload,
+                   "runs": {mode: json_summary(r) for mode, r in results.items()}, "warnings": warnings}
+        print(dumps(payload))
     else:
-        print(format_comparison(results))
+        print(format_comparison(results, workload, config))
     return 0
 
 
-def _json_default(value: Any) -> Any:
-    raise TypeError(f"not JSON serialisable: {value!r}")
+def prepare_dir(path: str, flag: str) -> pathlib.Path:
+    """Create an output directory up front, so a typo fails before minutes of simulation, naming the flag."""
+    out = pathlib.Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create the directory: {exc.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the directory is not writable")
+    return out
 
 
-def _num(value: float) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.0f}"
+def strict(value: Any) -> Any:
+    """``value`` with every NaN and infinity replaced by None (see the module docstring)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
-def format_comparison(results: dict) -> str:
-    """TTFT p50/p90 by prompt-length bucket, one column pair per mode, plus the headline numbers."""
+def dumps(value: Any) -> str:
+    # sort_keys would put "16-32k" before "2-4k"; buckets are a list, so plain key order is stable
+    return json.dumps(strict(value), indent=2, allow_nan=False)
+
+
+def _dist(values: Sequence[float]) -> dict[str, Any]:
+    v = sorted(values)
+    return {"n": len(v), "p50_ms": percentile(v, 50) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
+            "p99_ms": percentile(v, 99) * 1e3, "mean_ms": (sum(v) / len(v) * 1e3) if v else math.nan}
+
+
+def bucket_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per prompt-length bucket, in increasing length: counts, TTFT of first and of later turns, queueing."""
+    done = [r for r in records if not r.rejected]
+    rows = []
+    edges = list(PROMPT_BUCKETS) + [None]
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [r for r in done if r.prompt_tokens >= lo and (hi is None or r.prompt_tokens < hi)]
+        if not inside:
+            continue
+        first = [r.ttft_s for r in inside if r.turn == 0]
+        later = [r.ttft_s for r in inside if r.turn > 0]
+        rows.append({"bucket": bucket_label(lo), "min_tokens": lo, "max_tokens": hi, "turns": len(inside),
+                     "first_turns": _dist(first), "later_turns": _dist(later),
+                     "queue_mean_ms": sum(r.p_queue_s + r.d_queue_s for r in inside) / len(inside) * 1e3})
+    return rows
+
+
+def json_summary(result: Any) -> dict[str, Any]:
+    summary = {k: v for k, v in result.summary.items() if k != "ttft_by_prompt_bucket"}
+    summary["prompt_buckets"] = bucket_rows(result.records)
+    return summary
+
+
+def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
+    """Say when TTFT is about capacity (a saturated P, queueing), not about KV reuse."""
+    out = []
+    for mode, r in results.items():
+        s, done = r.summary, [x for x in r.records if not x.rejected]
+        busy = {name: u for name, u in s.get("prefill_utilisation", {}).items() if u >= UTILISATION_WARN}
+        if busy:
+            names = ", ".join(f"{n} {u:.0%}" for n, u in sorted(busy.items()))
+            out.append(f"[{mode}] prefill utilisation {names}: TTFT here measures a saturated cluster, not KV reuse; "
+                       f"add prefill instances (--num-prefill {config.topology.num_prefill + 1}) or lower the load")
+        # first turns apart: a burst of new conversations can queue while the later turns look fine
+        for which, group in (("all turns", done), ("first turns", [x for x in done if x.turn == 0]),
+                             ("later turns", [x for x in done if x.turn > 0])):
+            if not group:
+                continue
+            queue = sum(x.p_queue_s + x.d_queue_s for x in group) / len(group)
+            ttft = sum(x.ttft_s for x in group) / len(group)
+            if ttft > 0 and queue / ttft > QUEUE_SHARE_WARN:
+                out.append(f"[{mode}] {which}: queueing is {queue / ttft:.0%} of mean TTFT ({queue * 1e3:,.0f} of "
+                           f"{ttft * 1e3:,.0f} ms), so TTFT here is mostly waiting, not prefill or reuse; add "
+                           f"prefill instances (--num-prefill {config.topology.num_prefill + 1}) or lower the "
+                           "arrival rate")
+                break
+        if s.get("rejected"):
+            out.append(f"[{mode}] {s['rejected']:,} turns did not complete (see records.csv 'rejected' with --out)")
+    return out
+
+
+def _num(value: float | None, fmt: str = ",.0f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def format_comparison(results: dict, workload: dict | None = None, config: SimConfig | None = None) -> str:
+    """TTFT p50/p90 by prompt-length bucket, later turns (where reuse happens) apart from first turns,
+    with turn counts and queueing per bucket, then each mode's headline numbers."""
     modes = list(results)
-    buckets: list[str] = []
-    for r in results.values():
-        buckets += [b for b in r.summary["ttft_by_prompt_bucket"] if b not in buckets]
-    head = f"{'prompt':>9} " + "".join(f"{'TTFT p50 ' + m:>14}{'p90 ' + m:>10}" for m in modes)
+    rows = {m: {b["bucket"]: b for b in bucket_rows(results[m].records)} for m in modes}
+    buckets = [b["bucket"] for b in bucket_rows(results[modes[0]].records)]
+    for m in modes[1:]:
+        buckets += [b for b in rows[m] if b not in buckets]
+    lines = []
+    if workload:
+        lines.append(f"workload: {workload['description']}")
+    if config:
+        lines.append(f"cluster:  {config.topology.num_prefill}P{config.topology.num_decode}D, profile {config.profile}")
+    lines += ["", "TTFT (ms) by prompt length; later turns are where D's KV can be reused, a first turn has none; "
+                  "queue = mean wait for P and D"]
+    cols = [("turns", 6), ("first", 6)]
+    head = f"{'prompt':>7}" + "".join(f"{c:>{w}}" for c, w in cols)
+    for m in modes:
+        head += f"{'later p50 ' + m:>15}{'p90':>7}"
     if len(modes) == 2:
-        head += f"{'p50 speed-up':>14}"
-    lines = ["TTFT (ms) by prompt length", head]
+        head += f"{'speed-up':>9}"
+    for m in modes:
+        head += f"{'first p50 ' + m:>15}"
+    for m in modes:
+        head += f"{'queue ' + m:>10}"
+    lines.append(head)
     for b in buckets:
-        row = f"{b:>9} "
-        cells = [results[m].summary["ttft_by_prompt_bucket"].get(b) for m in modes]
+        cells = [rows[m].get(b) for m in modes]
+        any_cell = next(c for c in cells if c)
+        row = f"{b:>7}{any_cell['turns']:>6}{any_cell['first_turns']['n']:>6}"
         for c in cells:
-            row += f"{_num(c['p50_ms']) if c else '-':>14}{_num(c['p90_ms']) if c else '-':>10}"
-        if len(modes) == 2 and all(cells):
-            row += f"{cells[1]['p50_ms'] / cells[0]['p50_ms']:>13.2f}x"
+            row += (f"{_num(c['later_turns']['p50_ms']):>15}{_num(c['later_turns']['p90_ms']):>7}" if c
+                    else f"{'-':>15}{'-':>7}")
+        if len(modes) == 2:
+            a, o = (c["later_turns"]["p50_ms"] if c else math.nan for c in cells)
+            ratio = o / a if a and not math.isnan(a) and not math.isnan(o) else math.nan
+            row += f"{'-' if math.isnan(ratio) else format(ratio, '.2f') + 'x':>9}"
+        for c in cells:
+            row += f"{_num(c['first_turns']['p50_ms']) if c else '-':>15}"
+        for c in cells:
+            row += f"{_num(c['queue_mean_ms']) if c else '-':>10}"
         lines.append(row)
     lines.append("")
     for m in modes:
         s = results[m].summary
+        util = ", ".join(f"{n} {u:.0%}" for n, u in sorted(s.get("prefill_utilisation", {}).items()))
+        hit = "-" if s["reuse_hit_rate"] is None or math.isnan(s["reuse_hit_rate"]) else f"{s['reuse_hit_rate']:.0%}"
         lines.append(
-            f"[{m}] turns {s['completed']}/{s['turns']}  TTFT p50 {_num(s['ttft']['p50_ms'])} ms p90 {_num(s['ttft']['p90_ms'])} ms  "
-            f"reuse hit rate {s['reuse_hit_rate']:.0%}  recomputed tokens {s['tokens_recomputed']:,}  "
-            f"retained {s['retained_hbm_gb_s']:,.0f} GB*s (peak {s['peak_retained_hbm_gb']:,.1f} GB)  "
-            f"preemptions {s['preemptions']}" if not math.isnan(s["reuse_hit_rate"]) else f"[{m}] turns {s['completed']}")
+            f"[{m}] turns {s['completed']:,}/{s['turns']:,}  TTFT p50 {_num(s['ttft']['p50_ms'])} ms p90 "
+            f"{_num(s['ttft']['p90_ms'])} ms  later turns reusing D's KV {hit}  recomputed tokens "
+            f"{s['tokens_recomputed']:,}  retained {_num(s['retained_hbm_gb_s'])} GB*s (peak "
+            f"{_num(s['peak_retained_hbm_gb'], ',.1f')} GB)  P utilisation {util or '-'}  preemptions {s['preemptions']}")
     return "\n".join(lines)
 
 
@@ -168,8 +421,9 @@ def write_outputs(out: pathlib.Path, result: Any, parquet: bool) -> None:
         writer = csv.writer(fh, lineterminator="\n")
         writer.writerow(["t_s", "node", "running_blocks", "retained_blocks", "cached_blocks", "capacity_blocks"])
         writer.writerows((_cell(t), *rest) for t, *rest in result.series)
-    (out / "summary.json").write_text(json.dumps(result.summary, indent=2, sort_keys=True) + "\n")
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(result.config), indent=2, sort_keys=True, default=str) + "\n")
+    (out / "summary.json").write_text(dumps(json_summary(result)) + "\n")
+    (out / "config.json").write_text(json.dumps(strict(dataclasses.asdict(result.config)), indent=2, sort_keys=True,
+                                                default=str, allow_nan=False) + "\n")
     if parquet:
         try:
             import pyarrow as pa

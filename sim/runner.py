@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from calibration.profile import LatencyProfile
 from sim.cluster import Cluster, SimResult
 from sim.config import SimConfig
 from sim.workload import load_workload
+from sim.workload.model import Conversation
 
 
-def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfile | None = None) -> SimResult:
-    conversations = load_workload(config.workload, config.seed)
+def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfile | None = None,
+               conversations: Sequence[Conversation] | None = None) -> SimResult:
+    """``conversations``: the workload already generated from ``config`` (the CLI describes it first)."""
+    if conversations is None:
+        conversations = load_workload(config.workload, config.seed)
     profile = profile or LatencyProfile.load(config.profile)
     cluster = Cluster(config, profile)
     if not progress:

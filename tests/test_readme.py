@@ -19,7 +19,7 @@ def test_readme_toml_example_runs(tmp_path):
                          cwd=ROOT, check=True, capture_output=True, text=True).stdout
     import json
 
-    summary = json.loads(out)
+    summary = json.loads(out)["runs"]["on"]
     assert summary["completed"] == summary["turns"] > 48  # 48 conversations of several turns each
 
 

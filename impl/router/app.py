@@ -17,7 +17,8 @@ Routes::
     POST /v1/completions, /v1/chat/completions   tenant API key (Bearer), see impl.router.tenants
     GET  /v1/models                               tenant API key; answered by a healthy instance
     GET  /health                                  open; 503 unless >= 1 healthy P and D
-    GET  /metrics                                 open, or Bearer $BIDIKV_METRICS_TOKEN if set
+    GET  /metrics                                 Bearer $BIDIKV_METRICS_TOKEN if set; else open without API
+                                                  keys, refused (403) with them unless open_metrics
     POST /internal/kv_params                      per-request token of impl.router.notify
     POST /v1/conversations/{id}/heartbeat         tenant API key; relayed to D's lease, see impl.router.heartbeat
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import logging
 import os
 import random
@@ -178,18 +180,27 @@ class Router:
     async def health(self, request: web.Request) -> web.Response:
         p, d = self.prefill.healthy_count, self.decode.healthy_count
         ok = p > 0 and d > 0
-        response = web.json_response({
+        state = {
             "status": "ok" if ok else "unavailable",
             "prefill": {"healthy": p, "total": len(self.prefill.instances)},
             "decode": {"healthy": d, "total": len(self.decode.instances)},
-            "conversations": len(self.store),
-        }, status=200 if ok else 503)
+        }
+        if self.tenants.open:  # with tenants, the count would show one tenant when others start conversations
+            state["conversations"] = len(self.store)
+        response = web.json_response(state, status=200 if ok else 503)
         self.metrics.requests.inc("/health", str(response.status))
         return response
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        if self.metrics_token is not None and request.headers.get("Authorization") != f"Bearer {self.metrics_token}":
-            return error_response(401, "metrics token required", "authentication_error")
+        if self.metrics_token is not None:
+            presented = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(presented, f"Bearer {self.metrics_token}".encode("utf-8", "surrogateescape")):
+                self.metrics.requests.inc("/metrics", "401")
+                return error_response(401, "metrics token required", "authentication_error")
+        elif not self.tenants.open and not self.config.open_metrics:
+            self.metrics.requests.inc("/metrics", "403")
+            return error_response(403, f"with API keys, /metrics needs its own token: set ${self.config.metrics_token_env} "
+                                       "(or --open-metrics to serve them to anyone)", "permission_error")
         self.metrics.requests.inc("/metrics", "200")
         return web.Response(text=self.metrics.registry.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
@@ -295,6 +306,8 @@ async def serve(config: RouterConfig, ready: Callable[[int], Awaitable[None] | N
              ", ".join(config.prefill), ", ".join(config.decode), config.placement, app[ROUTER_KEY].notify_url)
     if app[ROUTER_KEY].tenants.open:
         log.warning("no API keys configured: every request is tenant 'default' and unauthenticated")
+    elif app[ROUTER_KEY].metrics_token is None and not config.open_metrics:
+        log.warning("API keys configured and $%s unset: /metrics answers 403", config.metrics_token_env)
     if ready is not None:
         maybe = ready(port)
         if maybe is not None:

@@ -28,6 +28,9 @@ class RouterConfig:
     api_keys_file: str | None = None
     api_keys_env: str = "BIDIKV_API_KEYS"
     metrics_token_env: str = "BIDIKV_METRICS_TOKEN"  # if that variable is set, /metrics needs it
+    # With API keys and no metrics token, /metrics is refused: its counters move with every tenant's
+    # traffic, so a tenant reading them learns about the others (issue 16). Opt in to serve them open.
+    open_metrics: bool = False
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)
     max_body_bytes: int = 8 * 1024 * 1024
@@ -94,7 +97,10 @@ FLAG_HELP: dict[str, str] = {
     "port": "port to listen on",
     "api_keys_file": "file of '<tenant> <key>' lines; without keys there is one tenant 'default' and no auth",
     "api_keys_env": "environment variable holding 'tenant=key,tenant=key'",
-    "metrics_token_env": "environment variable holding a token /metrics requires (unset: open)",
+    "metrics_token_env": "environment variable holding the token /metrics requires (Authorization: Bearer); "
+                         "unset: /metrics is open without API keys and refused with them",
+    "open_metrics": "serve /metrics without a token even when API keys are configured (its counters move with "
+                    "every tenant's traffic: a tenant who can read them learns about the others)",
     "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
     "max_conversations": "conversation store bound (LRU eviction beyond it)",
     "max_body_bytes": "largest request body accepted (413 beyond it)",

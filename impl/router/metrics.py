@@ -50,6 +50,18 @@ class Counter:
             yield f"{self.name}{_labels(self.labelnames, values)} {_num(v)}"
 
 
+class FoldedCounter(Counter):
+    """A counter that reports some label values as others (``fold``), at increment time."""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...], fold: dict[str, str]) -> None:
+        super().__init__(name, help_text, labelnames)
+        self.fold = fold
+
+    def inc(self, *labelvalues: str, amount: float = 1.0) -> None:
+        labelvalues = tuple(self.fold.get(v, v) for v in labelvalues)
+        self.values[labelvalues] = self.values.get(labelvalues, 0.0) + amount
+
+
 class Gauge(Counter):
     """A value set by the router, or read from its owner at scrape time (``read``).
 
@@ -126,13 +138,22 @@ class RouterMetrics:
         p = "bidikv_router_"
         self.requests = r.add(Counter(p + "requests_total", "Requests answered, by route and HTTP status.", ("route", "status")))
         self.reuse_hits = r.add(Counter(p + "reuse_hits_total", "Turns sent to P with a previous turn's D params."))
-        self.reuse_misses = r.add(Counter(p + "reuse_misses_total", "Turns sent to P without reuse, by reason "
-                                          "(store: unknown, expired, guard, tenant, evicted; router: no_conversation_id, unsupported; "
-                                          "prefill_error: a hit withdrawn after P failed with it).", ("reason",)))
+        # The store tells "another tenant holds this id" (tenant) from "never seen" (unknown); exported,
+        # that difference would let a tenant probe for other tenants' ids, so it is counted as unknown.
+        self.reuse_misses = r.add(FoldedCounter(p + "reuse_misses_total", "Turns sent to P without reuse, by reason "
+                                                "(store: unknown -- including an id another tenant holds --, expired, guard, "
+                                                "evicted; router: no_conversation_id, unsupported; prefill_error: a hit "
+                                                "withdrawn after P failed with it).", ("reason",), fold={"tenant": "unknown"}))
         self.tokens_reused = r.add(Counter(p + "tokens_reused_total", "remote_num_tokens offered to P on hits "
                                            "(P pulls fewer when its own prefix cache covers part or below its threshold)."))
         self.ttft = r.add(Histogram(p + "ttft_seconds", "Router-observed time to first token: request received to "
                                     "first byte of D's answer sent to the client.", TTFT_BUCKETS))
+        self.p_verified_tokens = r.add(Counter(p + "reuse_verified_tokens_total", "What P did with the tokens it was "
+                                               "offered (its report, impl.policy.prefix_check): offered, verified "
+                                               "equal to the prompt's token ids, pulled.", ("outcome",)))
+        self.p_verify_results = r.add(Counter(p + "reuse_verify_total", "Offered turns by P's verification outcome "
+                                              "(full, partial, no_check, scheme, malformed; none: P sent no report).",
+                                              ("reason",)))
         self.upstream_errors = r.add(Counter(p + "upstream_errors_total", "Failed upstream calls, by instance, role and kind.",
                                              ("instance", "role", "kind")))
         self.turns_stored = r.add(Counter(p + "turns_stored_total", "Finished turns whose D params were stored, by where they came from.", ("source",)))

@@ -18,16 +18,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_compare_prints_ttft_by_prompt_length(capsys):
     assert main(["simulate", "--compare", "--conversations", "6"]) == 0
     out = capsys.readouterr().out
-    assert "TTFT p50 on" in out and "TTFT p50 off" in out and "speed-up" in out
+    assert "later p50 on" in out and "later p50 off" in out and "speed-up" in out and "first p50 on" in out
+    assert "queue on" in out and out.startswith("workload: synthetic") and "6 conversations" in out
 
 
 def test_json_summary_and_flags_reach_the_simulation(capsys):
     assert main(["simulate", "--json", "--no-bidirectional", "--conversations", "4", "--seed", "3"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    payload = json.loads(capsys.readouterr().out)
+    assert list(payload["runs"]) == ["off"]
+    summary = payload["runs"]["off"]
     assert summary["tokens_reused"] == 0 and summary["completed"] == summary["turns"] > 4
     assert main(["simulate", "--json", "--decoder-kv-blocks-ttl", "inf", "--kv-recompute-threshold", "0",
                  "--conversations", "4", "--seed", "3"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens_reused"] > 0
+    assert json.loads(capsys.readouterr().out)["runs"]["on"]["tokens_reused"] > 0
 
 
 def test_out_dir_is_byte_identical_for_the_same_seed(tmp_path):
@@ -66,3 +69,97 @@ def test_bad_trace_line_is_named(tmp_path):
 def test_unknown_profile_lists_the_shipped_ones():
     result = run_cli("simulate", "--profile", "nope")
     assert result.returncode == 2 and "qwen3-32b@p5en-tp8" in result.stderr
+
+
+def _strict_loads(text: str):
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _trace(path, rows):
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 10,
+                                        "hash_ids": list(range(h, h + -(-n // 512)))}) + "\n" for t, n, h in rows))
+    return path
+
+
+def test_one_turn_json_is_strict_and_says_no_value_with_null(tmp_path):
+    trace = _trace(tmp_path / "one.jsonl", [(0, 3000, 0)])
+    result = run_cli("simulate", "--trace", str(trace), "--json", "--decoder-kv-blocks-ttl", "inf", "--out",
+                     str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    payload = _strict_loads(result.stdout)
+    run = payload["runs"]["on"]
+    assert run["reuse_hit_rate"] is None  # no later turn: no rate, not NaN
+    [bucket] = run["prompt_buckets"]
+    assert bucket["later_turns"]["n"] == 0 and bucket["later_turns"]["p50_ms"] is None
+    assert bucket["first_turns"]["n"] == 1 and bucket["first_turns"]["p50_ms"] > 0
+    config = _strict_loads((tmp_path / "out" / "config.json").read_text())
+    assert config["policy"]["decoder_kv_blocks_ttl"] is None and config["max_sim_time_s"] is None  # "no limit"
+    _strict_loads((tmp_path / "out" / "summary.json").read_text())
+
+
+def test_json_shape_does_not_depend_on_compare_and_buckets_are_in_numeric_order():
+    one = _strict_loads(run_cli("simulate", "--json", "--conversations", "12", "--seed", "2").stdout)
+    two = _strict_loads(run_cli("simulate", "--json", "--conversations", "12", "--seed", "2", "--compare").stdout)
+    assert one.keys() == two.keys() == {"format", "workload", "runs", "warnings"}
+    assert list(one["runs"]) == ["on"] and list(two["runs"]) == ["on", "off"]
+    assert one["runs"]["on"].keys() == two["runs"]["off"].keys()
+    buckets = two["runs"]["on"]["prompt_buckets"]
+    lows = [b["min_tokens"] for b in buckets]
+    assert lows == sorted(lows) and len(buckets) >= 3  # "16-32k" after "2-4k" and "8-16k"
+    for b in buckets:
+        assert b["bucket"] == f"{b['min_tokens'] // 1024}-{b['max_tokens'] // 1024}k"
+        assert b["turns"] == b["first_turns"]["n"] + b["later_turns"]["n"]
+    workload = two["workload"]
+    assert sum(b["turns"] for b in buckets) == workload["turns"] == two["runs"]["on"]["turns"]
+    assert sum(b["first_turns"]["n"] for b in buckets) == workload["conversations"] == 12
+
+
+def test_simulate_and_tune_default_to_the_same_stated_workload():
+    from impl.cli import build_parser
+
+    parser = build_parser()
+    sim_defaults = run_cli("simulate", "--help").stdout
+    tune_defaults = run_cli("tune", "--help").stdout
+    for text in (sim_defaults, tune_defaults):
+        assert "200 conversations arriving as a Poisson stream at 0.05/s" in " ".join(text.split())
+    sim_cfg = __import__("sim.cli", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["simulate"]))
+    tune_cfg = __import__("sim.cli", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["tune"]))
+    assert sim_cfg.workload == tune_cfg.workload == {"kind": "synthetic", "num_conversations": 200,
+                                                     "arrival_rate_per_s": 0.05}
+
+
+def test_queueing_and_saturation_are_called_out(tmp_path):
+    burst = tmp_path / "burst.toml"  # the generator's own default: every conversation at 0 s on one P
+    burst.write_text("[workload]\nkind = 'synthetic'\n")
+    result = run_cli("simulate", "--config", str(burst))
+    assert result.returncode == 0, result.stderr
+    assert "first turns: queueing is" in result.stderr and "--num-prefill 2" in result.stderr
+    # 20k-token prompts every 0.3 s keep one P busy all the time
+    hot = _trace(tmp_path / "hot.jsonl", [(i * 300, 20000, i * 1000) for i in range(200)])
+    result = run_cli("simulate", "--trace", str(hot), "--json")
+    payload = _strict_loads(result.stdout)
+    assert payload["runs"]["on"]["prefill_utilisation"]["p0"] >= 0.95
+    assert any("prefill utilisation p0" in w for w in payload["warnings"]) and "warning: [on] prefill" in result.stderr
+    quiet = _strict_loads(run_cli("simulate", "--json", "--conversations", "20").stdout)
+    assert quiet["warnings"] == []
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p / "missing.jsonl", "No such file or directory"),
+    (lambda p: p, "Is a directory"),
+    (lambda p: (p / "empty.jsonl").write_text("") and None or p / "empty.jsonl", "no conversations"),
+])
+def test_bad_trace_files_are_one_line(tmp_path, make, says):
+    result = run_cli("simulate", "--trace", str(make(tmp_path)))
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_out_that_is_a_file_fails_before_simulating(tmp_path):
+    (tmp_path / "f").write_text("")
+    result = run_cli("simulate", "--out", str(tmp_path / "f"))
+    assert result.returncode == 2 and result.stderr.strip() == \
+        f"bidikv simulate: error: --out {tmp_path / 'f'}: exists and is not a directory"

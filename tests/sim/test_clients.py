@@ -139,6 +139,6 @@ def test_bad_linger_names_the_field(p50, p90, message):
 def test_cli_flag_reaches_the_clients(capsys):
     base = ["simulate", "--json", "--conversations", "4", "--retention", "lease"]
     assert main([*base, "--client-renewal", "never"]) == 0
-    assert json.loads(capsys.readouterr().out)["heartbeats"] == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["on"]["heartbeats"] == 0
     assert main([*base, "--client-renewal", "until_next_turn"]) == 0
-    assert json.loads(capsys.readouterr().out)["heartbeats"] > 0
+    assert json.loads(capsys.readouterr().out)["runs"]["on"]["heartbeats"] > 0
