@@ -222,9 +222,9 @@ def load_conversations(config: SimConfig) -> list[Any]:
     return conversations
 
 
-# What one simulated turn keeps (its record, its conversation's share, the summary's lists), measured
-# with tracemalloc on the default workload: ~1.3 kB; doubled for headroom.
-RECORD_BYTES = 2600
+# Python heap per simulated turn at the peak of a run (workload, records, series, summary), measured
+# with tracemalloc on the default workload: 1.1 kB; rounded up for --compare and what tracemalloc misses.
+RECORD_BYTES = 2500
 
 
 def available_memory_bytes() -> int | None:
