@@ -8,6 +8,7 @@ Hypothesis runs under a fixed profile, loaded here before any test module is imp
   suite can reach is caught on every run, not on some), no example database, no deadline (2 shared
   cores), and 200 examples where a test does not set its own count;
 * ``explore``: random seeds and the local database, 1,000 examples: for hunting, not for CI;
+* ``mutants``: ``ci`` without shrinking, for tools/mutants.py (same examples, faster verdicts);
 * pick one with ``HYPOTHESIS_PROFILE=explore``.
 """
 
@@ -18,12 +19,16 @@ import inspect
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
+from tests.redis_server import redis_server  # noqa: F401  (a real redis-server per session, for tests that ask)
 from tests.router.harness import ASYNC_TEST_TIMEOUT_S
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=200,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+# tools/mutants.py: the CI profile's examples, without shrinking (only "does any example fail" matters)
+settings.register_profile("mutants", settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
 settings.register_profile("explore", derandomize=False, deadline=None, max_examples=1000,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

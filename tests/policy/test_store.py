@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -42,6 +44,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize(margin=st.sampled_from([5.0, 0.0, 2.5]), bucket_s=st.sampled_from([1.0, 0.25, 7.0]))
     def setup(self, margin, bucket_s):
+        # times and TTLs are multiples of 1/8 s and every bucket size here is too: bucket edges are exact
         self.margin = margin
         self.store = ConversationStore(max_entries=BOUND, expiry_margin_s=margin, bucket_s=bucket_s)
 
@@ -60,6 +63,11 @@ class StoreMachine(RuleBasedStateMachine):
             assert evicted_live == live_order[: len(evicted_live)], (evicted_live, live_order)
         for k in gone:
             del self.ref[k]
+        # the purge's contract: after a call at ``now``, no entry whose usable end lies in an earlier
+        # bucket is left (what keeps a flood of ids from holding memory until the LRU bound)
+        bucket = self.store._bucket_s
+        stale = [k for k in self.ref if self.ref[k][1] < math.inf and math.floor((self.ref[k][1] - self.margin) / bucket) < math.floor(self.now / bucket)]
+        assert not stale, f"expired entries left behind by the purge: {stale}"
 
     def _time_to(self, t: float) -> None:
         assert t >= self.now
@@ -75,12 +83,12 @@ class StoreMachine(RuleBasedStateMachine):
     def advance_to_an_edge(self, data, offset):
         key = data.draw(st.sampled_from(sorted(self.ref)))
         target = self.ref[key][1] - self.margin + offset
-        if target >= self.now:
+        if self.now <= target < math.inf:
             self._time_to(target)
 
     # -- turns ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data(),
-          ttl_eighths=st.integers(0, 480))
+          ttl_eighths=st.one_of(st.integers(0, 480), st.none()))  # None: kept until evicted
     def succeed(self, tenant, conv, data, ttl_eighths):
         key = (tenant, conv)
         held = self.ref.get(key)
@@ -88,7 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
             tokens = held[0] + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3), label="suffix")
         else:
             tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=6), label="tokens")
-        expires_at = self.now + ttl_eighths * EIGHTH
+        expires_at = math.inf if ttl_eighths is None else self.now + ttl_eighths * EIGHTH
         self.turns += 1
         instance = f"d{self.turns}"
         self.store.record_success(tenant, conv, entry(tokens, expires_at, instance), self.now)
