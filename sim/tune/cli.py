@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from calibration.profile import LatencyProfile
     from sim.cli import config_from_args
     from sim.tune.executor import run_points
-    from sim.tune.frontier import analyse
     from sim.tune.grid import REFERENCES, build_grid
+    from sim.tune.sensitivity import UNSTATED, sensitivity_rows, sensitivity_table, stated_renewal, tune_across_behaviours
     from sim.tune.report import as_json, plots, recommendation_text, table
 
     config = config_from_args(args)
@@ -79,15 +79,27 @@ def run(args: argparse.Namespace) -> int:
     thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
     grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
     candidates = [*grid, *REFERENCES]
-    metrics = run_points(config, [c.policy for c in candidates], args.executor, args.workers, args.progress)
-    points, chosen = analyse(candidates, metrics, args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct)
+    # a lease is only as good as the clients' heartbeats: every lease point runs under each client
+    # behaviour, the recommendation is for the stated one (or safe under never and while_open)
+    stated = stated_renewal(args)
+    main, per_behaviour, tuned_ttl = tune_across_behaviours(
+        config, candidates, lambda cfgs, pols: run_points(cfgs, pols, args.executor, args.workers, args.progress),
+        args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct, stated)
+    points, chosen = main.points, main.chosen
+    sensitivity = sensitivity_rows(main, per_behaviour, tuned_ttl, args.objective)
     if args.plots:
         for path in plots(points, chosen, args.objective, pathlib.Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
-        print(json.dumps(as_json(points, chosen, args.objective, config.profile), indent=2, sort_keys=True, default=str))
+        out = as_json(points, chosen, args.objective, config.profile)
+        out.update(client_renewal=stated or UNSTATED, client_renewal_sensitivity=sensitivity)
+        print(json.dumps(out, indent=2, sort_keys=True, default=str))
     else:
+        print(f"client renewal: {stated}" if stated else "client renewal: unstated (lease rows: the worse of never and "
+              "while_open per figure)")
         print(table(points, chosen, args.objective))
+        print()
+        print(sensitivity_table(sensitivity, main, args.objective))
         print()
         print(recommendation_text(chosen, config.profile))
     return 0

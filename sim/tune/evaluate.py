@@ -24,7 +24,7 @@ def evaluate(config: SimConfig, policy_overrides: dict[str, Any]) -> dict[str, A
         "tokens_recomputed": s["tokens_recomputed"], "tokens_reused": s["tokens_reused"],
         "retained_hbm_gb_s": s["retained_hbm_gb_s"], "peak_retained_hbm_gb": s["peak_retained_hbm_gb"],
         "preemptions": s["preemptions"], "rejected": s["rejected"], "dropped_under_pressure": s["dropped_under_pressure"],
-        "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"],
+        "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"], "heartbeats": s["heartbeats"],
         "ttft_cdf_ms": [t * 1e3 for t in ttfts[:: max(1, len(ttfts) // 200)]],
         "retained_series": _retained_series(result, cfg),
     }

@@ -12,25 +12,29 @@ from sim.config import SimConfig
 from sim.tune.evaluate import evaluate
 
 
-def run_points(config: SimConfig, overrides: Sequence[dict[str, Any]], executor: str = "process",
+def run_points(config: SimConfig | Sequence[SimConfig], overrides: Sequence[dict[str, Any]], executor: str = "process",
                workers: int | None = None, progress: bool | None = None) -> list[dict[str, Any]]:
+    """``config`` is the base of every point, or one base per point (e.g. one per client behaviour)."""
     if progress is None:
         progress = sys.stderr.isatty()
+    configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(overrides)
+    if len(configs) != len(overrides):
+        raise ValueError(f"{len(configs)} configs for {len(overrides)} points")
     if executor == "serial":
-        return [evaluate(config, o) for o in _progress(overrides, progress)]
+        return [evaluate(c, o) for c, o in _progress(list(zip(configs, overrides)), progress)]
     if executor == "ray":
-        return _run_ray(config, overrides, progress)
+        return _run_ray(configs, overrides, progress)
     if executor != "process":
         raise ValueError(f"executor must be process, ray or serial, got {executor!r}")
     results: list[dict[str, Any] | None] = [None] * len(overrides)
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        futures = {pool.submit(evaluate, config, o): i for i, o in enumerate(overrides)}
+        futures = {pool.submit(evaluate, c, o): i for i, (c, o) in enumerate(zip(configs, overrides))}
         for future in _progress(concurrent.futures.as_completed(futures), progress, total=len(futures)):
             results[futures[future]] = future.result()
     return results  # type: ignore[return-value]
 
 
-def _run_ray(config: SimConfig, overrides: Sequence[dict[str, Any]], progress: bool) -> list[dict[str, Any]]:
+def _run_ray(configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]], progress: bool) -> list[dict[str, Any]]:
     try:
         import ray
     except ImportError:
@@ -38,7 +42,7 @@ def _run_ray(config: SimConfig, overrides: Sequence[dict[str, Any]], progress: b
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     remote = ray.remote(evaluate)
-    refs = [remote.remote(config, o) for o in overrides]
+    refs = [remote.remote(c, o) for c, o in zip(configs, overrides)]
     pending = list(refs)
     bar = _bar(progress, len(refs))
     while pending:

@@ -1,0 +1,163 @@
+"""The tuner across client renewal behaviours: recommend for the behaviour the user states, and show
+how the recommendation moves when clients renew otherwise.
+
+A lease keeps KV only as long as clients heartbeat (:mod:`sim.clients`), while a fixed or learnt TTL
+reads no heartbeat. So each lease candidate is simulated once per behaviour, and every other
+candidate (with the references: OFF, vLLM's default, the oracle) once, shared by all behaviours; the
+"% of the oracle's saving" denominators are therefore the same in every row.
+
+Without a stated behaviour the recommendation must be safe whether clients renew while the session is
+open or never renew: each candidate is judged on the worse of the two for every figure (slower TTFT,
+more recomputation, more retained HBM, fewer reused tokens), which for a TTL is simply its value.
+The clairvoyant ``until_next_turn`` is shown as an upper bound and never decides the safe choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from sim.config import RENEWAL_BEHAVIOURS, SimConfig
+from sim.tune.frontier import OBJECTIVES, Point, analyse
+from sim.tune.grid import Candidate
+
+SAFE_UNDER = ("never", "while_open")
+UNSTATED = "unstated"
+# figures where more is worse (taken as the max across behaviours) and where less is worse (the min)
+_MORE_IS_WORSE = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "tokens_recomputed",
+                  "retained_hbm_gb_s", "peak_retained_hbm_gb", "preemptions", "rejected", "dropped_under_pressure",
+                  "heartbeats")
+_LESS_IS_WORSE = ("tokens_reused", "reuse_hit_rate", "sim_time_s")  # a shorter run spreads retained GB*s over less time
+
+
+@dataclass
+class Outcome:
+    """One analysis of the whole grid: per behaviour, the safe worst case, or fixed TTLs only."""
+
+    behaviour: str
+    points: list[Point]
+    chosen: Point | None
+
+    def point(self, label: str) -> Point | None:
+        return next((p for p in self.points if p.candidate.label == label), None)
+
+
+def depends_on_clients(candidate: Candidate) -> bool:
+    return candidate.policy.get("retention") == "lease"
+
+
+def stated_renewal(args: Any) -> str | None:
+    """The behaviour the user stated with --client-renewal or [clients] client_renewal, else None."""
+    flag = getattr(args, "cfg__clients__client_renewal", None)
+    if flag is not None:
+        return flag
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as fh:
+            value = tomllib.load(fh).get("clients", {}).get("client_renewal")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def worst_case(metrics: Sequence[dict[str, Any]], objective_key: str) -> dict[str, Any]:
+    """Per figure, the worse value across behaviours (curves kept from the behaviour worse on the objective)."""
+    out = dict(max(metrics, key=lambda m: m[objective_key]))
+    for key in _MORE_IS_WORSE:
+        if key in out:
+            out[key] = max(m[key] for m in metrics)
+    for key in _LESS_IS_WORSE:
+        if key in out:
+            values = [m[key] for m in metrics if not (isinstance(m[key], float) and math.isnan(m[key]))]
+            out[key] = min(values) if values else math.nan
+    return out
+
+
+def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
+                           run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
+                           objective: str, max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
+                           stated: str | None) -> tuple[Outcome, dict[str, Outcome], Outcome]:
+    """(the recommendation's outcome, one outcome per behaviour, the best fixed TTL's outcome)."""
+    configs: list[SimConfig] = []
+    overrides: list[dict[str, Any]] = []
+    index: list[dict[str, int]] = []  # per candidate: behaviour (or '*') -> job
+    for c in candidates:
+        jobs = {}
+        for behaviour in (RENEWAL_BEHAVIOURS if depends_on_clients(c) else ("*",)):
+            cfg = config if behaviour == "*" else dataclasses.replace(
+                config, clients=dataclasses.replace(config.clients, client_renewal=behaviour))
+            jobs[behaviour] = len(configs)
+            configs.append(cfg)
+            overrides.append(c.policy)
+        index.append(jobs)
+    results = run(configs, overrides)
+
+    def metrics_for(behaviour: str) -> list[dict[str, Any]]:
+        return [results[jobs.get(behaviour, jobs.get("*", -1))] for jobs in index]
+
+    analysed = {}
+    for behaviour in RENEWAL_BEHAVIOURS:
+        points, chosen = analyse(candidates, metrics_for(behaviour), objective, max_retained_hbm_pct, decode_hbm_gb,
+                                 tolerance_pct)
+        analysed[behaviour] = Outcome(behaviour, points, chosen)
+    if stated is not None:
+        main = analysed[stated]
+    else:
+        key = OBJECTIVES[objective]
+        worst = [worst_case(group, key) for group in zip(*(metrics_for(b) for b in SAFE_UNDER))]
+        points, chosen = analyse(candidates, worst, objective, max_retained_hbm_pct, decode_hbm_gb, tolerance_pct)
+        main = Outcome(UNSTATED, points, chosen)
+    ttl_only = [i for i, c in enumerate(candidates)
+                if c.kind != "sweep" or c.policy.get("retention") == "ttl"]
+    points, chosen = analyse([candidates[i] for i in ttl_only], [metrics_for("never")[i] for i in ttl_only], objective,
+                             max_retained_hbm_pct, decode_hbm_gb, tolerance_pct)
+    return main, analysed, Outcome("fixed TTL", points, chosen)
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def sensitivity_rows(main: Outcome, per_behaviour: dict[str, Outcome], tuned_ttl: Outcome,
+                     objective: str) -> list[dict[str, Any]]:
+    key = OBJECTIVES[objective]
+    label = main.chosen.candidate.label if main.chosen else None
+
+    def figures(p: Point | None) -> dict[str, Any]:
+        if p is None:
+            return {}
+        return {"label": p.candidate.label, objective: p.metrics[key], "compute_saving_pct_of_oracle":
+                p.compute_saving_pct_of_oracle, "ttft_saving_pct_of_oracle": p.ttft_saving_pct_of_oracle,
+                "hbm_vs_default": p.hbm_vs_default, "feasible": p.feasible, "heartbeats": p.metrics.get("heartbeats", 0)}
+
+    rows = []
+    for behaviour in RENEWAL_BEHAVIOURS:
+        o = per_behaviour[behaviour]
+        rows.append({"client_renewal": behaviour, "recommended_for_it": figures(o.chosen),
+                     "recommendation_under_it": figures(o.point(label)) if label else {}})
+    rows.append({"client_renewal": "any (no heartbeat read)", "recommended_for_it": figures(tuned_ttl.chosen),
+                 "recommendation_under_it": {}, "note": "best fixed TTL"})
+    return rows
+
+
+def sensitivity_table(rows: Sequence[dict[str, Any]], main: Outcome, objective: str) -> str:
+    label = main.chosen.candidate.label if main.chosen else "none"
+    who = ("for the stated client behaviour" if main.behaviour != UNSTATED
+           else "safe under never and while_open (the worse of the two per figure)")
+    lines = [f"client renewal sensitivity (recommended: {label}, {who}; --client-renewal states a behaviour)",
+             f"{'client renewal':<24}{'recommended for it':<26}{objective:>9}{'compute%':>9}{'TTFT%':>7}{'vs 480s':>8}"
+             f"  |{'recommended, under it:':>23}{objective:>9}{'compute%':>9}{'vs 480s':>8}"]
+    for row in rows:
+        a, b = row["recommended_for_it"], row["recommendation_under_it"]
+        name = row["client_renewal"] + (" (bound)" if row["client_renewal"] == "until_next_turn" else "")
+        left = (f"{name:<24}{a.get('label', 'none'):<26}"
+                f"{_f(a.get(objective), ',.0f'):>9}{_f(a.get('compute_saving_pct_of_oracle'), '.1f'):>9}"
+                f"{_f(a.get('ttft_saving_pct_of_oracle'), '.1f'):>7}{_f(a.get('hbm_vs_default'), '.2f'):>8}")
+        right = "" if not b else (f"  |{'':>23}{_f(b.get(objective), ',.0f'):>9}"
+                                  f"{_f(b.get('compute_saving_pct_of_oracle'), '.1f'):>9}{_f(b.get('hbm_vs_default'), '.2f'):>8}"
+                                  + ("" if b.get("feasible", True) else " over budget"))
+        lines.append(left + right)
+    lines.append("(%: share of the oracle's saving over bidirectional OFF; vs 480s: retained HBM*s relative to vLLM's "
+                 "default; until_next_turn knows the future and bounds what any client achieves)")
+    return "\n".join(lines)
