@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from impl.policy import ConversationEntry, ConversationStore, ItemsPrompt, MissReason, sequence_digest
 
 TENANTS = ["acme", "globex"]
-CONVS = ["c0", "c1", "c2", "c3", "c4"]
+CONVS = ["c0", "c1", "c2", "c3"]
 BOUND = 3
 EIGHTH = 0.125  # every time and TTL is a multiple of 1/8 s: exact in binary, so edges are exact too
 
@@ -88,7 +88,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- turns ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data(),
-          ttl_eighths=st.one_of(st.integers(0, 480), st.none()))  # None: kept until evicted
+          ttl_eighths=st.one_of(st.integers(0, 960), st.none()))  # None: kept until evicted
     def succeed(self, tenant, conv, data, ttl_eighths):
         key = (tenant, conv)
         held = self.ref.get(key)
@@ -110,8 +110,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data())
     def lookup(self, tenant, conv, data):
-        key = (tenant, conv)
         stored = sorted(self.ref)
+        if stored and data.draw(st.booleans(), label="look up a stored key"):
+            tenant, conv = data.draw(st.sampled_from(stored), label="key")  # hits, and LRU reordering of a full store
+        key = (tenant, conv)
         shape = data.draw(st.sampled_from(["continue", "exact", "short", "edit", "random"]), label="shape")
         if shape == "random" or not stored:
             prompt = data.draw(st.lists(st.integers(0, 3), max_size=9), label="prompt")
@@ -172,6 +174,20 @@ def test_failed_turn_keeps_entry_and_success_replaces():
     store.record_success("t", "c", entry([1, 2, 3, 4, 5], 120.0, "d1"), now=12.0)
     again = store.lookup("t", "c", ItemsPrompt([1, 2, 3, 4, 5, 6]), now=13.0)
     assert again.entry.decode_instance == "d1"
+
+
+def test_a_hit_makes_the_entry_most_recently_used():
+    store = ConversationStore(max_entries=3)
+    for i, conv in enumerate(["a", "b", "c"]):
+        store.record_success("t", conv, entry([i], 100.0), now=float(i))
+    assert store.lookup("t", "a", ItemsPrompt([0, 9]), now=4.0).hit  # "a" was the oldest; now the newest
+    store.record_success("t", "d", entry([3], 100.0), now=5.0)  # one over the bound: the LRU entry goes
+    assert [c for c in "abcd" if store.get("t", c) is not None] == ["a", "c", "d"]
+    assert store.lookup("t", "b", ItemsPrompt([1]), now=6.0).miss is MissReason.EVICTED
+    # a miss does not refresh: "c" failed the guard, stays least recent, and is the next to go
+    assert store.lookup("t", "c", ItemsPrompt([7]), now=7.0).miss is MissReason.GUARD
+    store.record_success("t", "e", entry([4], 100.0), now=8.0)
+    assert [c for c in "acde" if store.get("t", c) is not None] == ["a", "d", "e"]
 
 
 def test_miss_reasons():
