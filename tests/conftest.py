@@ -21,6 +21,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+from tests.redis_server import redis_server  # noqa: F401  (a real redis-server per session, for tests that ask)
 from tests.router.harness import ASYNC_TEST_TIMEOUT_S
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=200,

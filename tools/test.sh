@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${BIDIKV_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# redis-server (OS package) for the router's shared conversation store: the tests start their own
+if ! command -v redis-server >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" 'torch==2.13.0'
 "${PIP[@]}" -e '.[impl,test,ray]'

@@ -48,13 +48,13 @@ from typing import Awaitable, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
-from impl.policy import ConversationStore
 from impl.router.config import RouterConfig, url_host
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import Endpoint, RequestError, parse_json_body, parse_turn
+from impl.router.stores import MemoryStore, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
@@ -78,9 +78,11 @@ class Router:
         if upstream_key:
             self.upstream_headers["Authorization"] = f"Bearer {upstream_key}"
         self.metrics = RouterMetrics()
-        self.store = ConversationStore(max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s)
+        self.conversations = open_store(config, environ)  # in this process, or Redis shared by replicas
+        # the in-process store itself, for admin views and tests (None when the store is shared)
+        self.store = self.conversations.store if isinstance(self.conversations, MemoryStore) else None
         self.hub = NotifyHub()
-        self.heartbeats = HeartbeatRelay(config, tenants, self.store, self.metrics)
+        self.heartbeats = HeartbeatRelay(config, tenants, self.conversations, self.metrics)
         rng = random.Random(config.seed)
         self.prefill = UpstreamPool("prefill", config.prefill, make_placement(config.placement), rng)
         self.decode = UpstreamPool("decode", config.decode, make_placement(config.placement), rng)
@@ -89,8 +91,8 @@ class Router:
         self.prober: HealthProber | None = None
         self.proxy: TurnProxy | None = None
         m = self.metrics
-        m.store_entries.read = lambda: {(): float(len(self.store))}
-        m.store_evictions.read = lambda: {(): float(self.store.stats.evictions)}
+        m.store_entries.read = lambda: {(): float(len(self.conversations))}
+        m.store_evictions.read = lambda: {(): float(self.conversations.evictions)}  # Redis: this replica's evictions
         m.upstream_healthy.read = lambda: {(u.name, u.role): float(u.healthy) for p in (self.prefill, self.decode) for u in p}
         m.upstream_in_flight.read = lambda: {(u.name, u.role): float(u.in_flight) for p in (self.prefill, self.decode) for u in p}
 
@@ -103,7 +105,7 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                              cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
-        self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.store, self.hub, self.metrics,
+        self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.conversations, self.hub, self.metrics,
                                self.upstream_headers, lambda: self.notify_url)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
@@ -118,6 +120,7 @@ class Router:
             await self.proxy.close()
         if self.session is not None:
             await self.session.close()
+        await self.conversations.close()
 
     def set_bound_port(self, host: str, port: int) -> None:
         """Derive the notify URL once the listening port is known (unless configured)."""
@@ -142,7 +145,8 @@ class Router:
                 response = unauthenticated_response()
             else:
                 body = parse_json_body(await request.read())
-                turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len)
+                turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len,
+                                  header_session_id=request.headers.get("X-Session-ID"))
                 if self.config.tenant_cache_salt and not self.tenants.open:
                     turn.body["cache_salt"] = cache_salt_for(tenant, _client_cache_salt(turn.body))
                 response = await self.proxy.handle(request, turn, tenant, t0)
@@ -186,7 +190,7 @@ class Router:
             "decode": {"healthy": d, "total": len(self.decode.instances)},
         }
         if self.tenants.open:  # with tenants, the count would show one tenant when others start conversations
-            state["conversations"] = len(self.store)
+            state["conversations"] = len(self.conversations)
         response = web.json_response(state, status=200 if ok else 503)
         self.metrics.requests.inc("/health", str(response.status))
         return response

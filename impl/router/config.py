@@ -14,6 +14,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from impl.router.stores import check_store_url
+
 PLACEMENTS = ("round_robin", "least_loaded", "kv_aware")
 
 
@@ -53,6 +55,12 @@ class RouterConfig:
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
     tenant_cache_salt: bool = True  # with API keys: P's and D's prefix caches are shared only within a tenant
+    # where conversations live: "memory" (this process) or redis://HOST:PORT/DB, shared by replicas
+    store: str = "memory"
+    store_password_env: str = "BIDIKV_STORE_PASSWORD"  # Redis password, when not in the URL
+    store_timeout_s: float = 0.5  # one Redis call; beyond it the turn is served without reuse
+    store_retry_s: float = 1.0  # after a failed Redis call, turns skip it this long (no timeout each)
+    store_prefix: str = "bidikv:"  # Redis key prefix: routers sharing one store use the same one
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
 
@@ -71,10 +79,12 @@ class RouterConfig:
         if self.upstream_max_connections < 0:
             raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s", "heartbeat_timeout_s"):
+                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s", "heartbeat_timeout_s",
+                     "store_timeout_s", "store_retry_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        check_store_url(self.store)
         for name in ("notify_wait_s", "expiry_margin_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -124,6 +134,12 @@ FLAG_HELP: dict[str, str] = {
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
     "tenant_cache_salt": "with API keys, give each tenant's requests vLLM's cache_salt so tenants never share "
                          "prefix-cache blocks (no cross-tenant cache-timing probe)",
+    "store": "conversation store: 'memory' (this process) or redis://[:PASSWORD@]HOST:PORT/DB, rediss://... or "
+             "unix://PATH, shared by router replicas and surviving restarts",
+    "store_password_env": "environment variable holding the Redis password (when the --store URL has none)",
+    "store_timeout_s": "timeout of one conversation-store call; beyond it the turn is served without reuse",
+    "store_retry_s": "after a failed conversation-store call, turns skip the store for this long",
+    "store_prefix": "key prefix of this router fleet's entries in Redis",
     "loop": "event loop implementation",
     "log_level": "logging level",
 }

@@ -47,12 +47,13 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiohttp import web
 
-from impl.policy import ConversationEntry, ConversationStore
+from impl.policy import ConversationEntry
 from impl.router.config import RouterConfig, url_host
 from impl.router.metrics import Counter, RouterMetrics
 from impl.router.notify import Notification
 from impl.router.proxy import body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import RequestError, check_conversation_id, parse_json_body
+from impl.router.stores import RouterStore, StoreUnavailable
 from impl.router.tenants import Tenants
 
 log = logging.getLogger("bidikv.router")
@@ -94,7 +95,7 @@ class _RelayFailure(Exception):
 
 
 class HeartbeatRelay:
-    def __init__(self, config: RouterConfig, tenants: Tenants, store: ConversationStore, metrics: RouterMetrics,
+    def __init__(self, config: RouterConfig, tenants: Tenants, store: RouterStore, metrics: RouterMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tenants = tenants
@@ -106,13 +107,27 @@ class HeartbeatRelay:
             "bidikv_router_heartbeats_total",
             "Client heartbeats, by outcome (renewed; not_renewed: D held the blocks but its policy did not "
             "extend them; no_listener; not_held; not_found; unauthenticated; invalid; unreachable; timeout; "
-            "busy; bad_answer; superseded).", ("outcome",)))
+            "busy; bad_answer; superseded; store_unavailable).", ("outcome",)))
         self.timeout = aiohttp.ClientTimeout(total=config.heartbeat_timeout_s,
                                              sock_connect=min(config.connect_timeout_s, config.heartbeat_timeout_s))
         self.session: aiohttp.ClientSession | None = None
+        self._sharing: set[asyncio.Task] = set()  # listener URLs on their way to the shared store
 
     def learn(self, notification: Notification) -> None:
+        engine = notification.kv_params.get("remote_engine_id")
+        if notification.heartbeat_url is not None and isinstance(engine, str) and engine \
+                and self.directory.url_for(engine) != notification.heartbeat_url:
+            # shared with the other replicas (a no-op in memory), off the notification's path
+            task = asyncio.get_running_loop().create_task(self._share_listener(engine, notification.heartbeat_url))
+            self._sharing.add(task)
+            task.add_done_callback(self._sharing.discard)
         self.directory.learn(notification)
+
+    async def _share_listener(self, engine: str, url: str) -> None:
+        try:
+            await self.store.remember_listener(engine, url)
+        except StoreUnavailable:
+            pass  # another replica then answers this conversation's heartbeats with renewed: false
 
     async def start(self) -> None:
         # D's listener answers one request per connection: no keep-alive pool to manage
@@ -120,6 +135,8 @@ class HeartbeatRelay:
                                              cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
 
     async def stop(self) -> None:
+        if self._sharing:
+            await asyncio.gather(*list(self._sharing), return_exceptions=True)
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -150,11 +167,15 @@ class HeartbeatRelay:
         except web.HTTPRequestEntityTooLarge:
             return body_too_large_response(self.config.max_body_bytes), "invalid"
 
-        entry = self.store.get(tenant, conversation_id)  # tenant-scoped: another tenant's id is None too
+        try:
+            got = await self.store.get(tenant, conversation_id)  # tenant-scoped: another tenant's id is None too
+        except StoreUnavailable:
+            return _store_down(), "store_unavailable"
+        entry = got.entry if got is not None else None
         now = self.clock()
         if entry is None or now >= entry.expires_at:
             return error_response(404, _NOT_FOUND, "not_found_error", "conversation_id"), "not_found"
-        url = self._listener_url(entry)
+        url = await self._listener_url(entry)
         if url is None:
             # D runs no listener (or never told us): its blocks live out the expiry it published
             return self._ok(conversation_id, entry, now, renewed=False, reason="no_heartbeat_listener"), "no_listener"
@@ -167,17 +188,24 @@ class HeartbeatRelay:
             kind = "service_unavailable" if e.status == 503 else "upstream_error"
             return error_response(e.status, e.message, kind), e.outcome
 
-        current = self.store.get(tenant, conversation_id)
+        try:
+            current = await self.store.get(tenant, conversation_id)
+        except StoreUnavailable:
+            return _store_down(), "store_unavailable"
         now = self.clock()
-        if current is not entry:
+        if current is None or current.version != got.version:
             # a newer turn replaced (or the store dropped) the entry while D answered: D renewed blocks
             # nobody will read again, and the newer entry's expiry is D's fresh one
             if current is None:
                 return error_response(404, _NOT_FOUND, "not_found_error", "conversation_id"), "not_found"
-            return self._ok(conversation_id, current, now, renewed=False, reason="superseded"), "superseded"
+            return self._ok(conversation_id, current.entry, now, renewed=False, reason="superseded"), "superseded"
         if answer["status"] == "not_held":
-            # read by a next turn already, or expired on D: offering it again would only be declined
-            self.store.forget(tenant, conversation_id)
+            # read by a next turn already, or expired on D: offering it again would only be declined.
+            # Only this very entry: another replica may have stored a newer turn since (compare-and-set)
+            try:
+                await self.store.forget(tenant, conversation_id, expect=got.version)
+            except StoreUnavailable:
+                pass  # P declines the stale blocks on the next turn, which then recomputes
             return error_response(410, "the decode instance no longer holds this conversation's KV "
                                        f"({answer.get('reason', 'unknown')}); the next turn recomputes it",
                                   "not_held", "conversation_id"), "not_held"
@@ -185,8 +213,19 @@ class HeartbeatRelay:
         if answer["renewed"] and expires_at > entry.expires_at:
             params = dict(entry.kv_params)
             params["remote_blocks_expiry_time"] = answer["expiry_time"]
-            entry = dataclasses.replace(entry, kv_params=params, expires_at=expires_at)
-            self.store.record_success(tenant, conversation_id, entry, now)
+            renewed_entry = dataclasses.replace(entry, kv_params=params, expires_at=expires_at)
+            try:
+                # written back only over the entry we read: a newer turn stored meanwhile (on any
+                # replica) has had P read these blocks, and must not be replaced by them
+                stored = await self.store.replace(tenant, conversation_id, renewed_entry, now, expect=got.version)
+            except StoreUnavailable:
+                return _store_down(), "store_unavailable"
+            if not stored:
+                newer = await self._current(tenant, conversation_id)
+                if newer is None:
+                    return error_response(404, _NOT_FOUND, "not_found_error", "conversation_id"), "not_found"
+                return self._ok(conversation_id, newer, now, renewed=False, reason="superseded"), "superseded"
+            entry = renewed_entry
             outcome, renewed = "renewed", True
         else:
             outcome, renewed = "not_renewed", False
@@ -195,8 +234,22 @@ class HeartbeatRelay:
             extra["heartbeat_interval_s"] = answer["heartbeat_interval_s"]
         return self._ok(conversation_id, entry, now, renewed=renewed, **extra), outcome
 
-    def _listener_url(self, entry: ConversationEntry) -> str | None:
-        url = self.directory.url_for(entry.kv_params.get("remote_engine_id"))
+    async def _current(self, tenant: str, conversation_id: str) -> ConversationEntry | None:
+        try:
+            got = await self.store.get(tenant, conversation_id)
+        except StoreUnavailable:
+            return None
+        return None if got is None else got.entry
+
+    async def _listener_url(self, entry: ConversationEntry) -> str | None:
+        engine = entry.kv_params.get("remote_engine_id")
+        url = self.directory.url_for(engine)
+        if url is None and isinstance(engine, str):
+            # the notification naming it may have reached another replica: the shared store has it
+            try:
+                url = await self.store.listener(engine)
+            except StoreUnavailable:
+                url = None
         if url is None or not self.config.rewrite_remote_host:
             return url
         host = urlsplit(entry.decode_instance).hostname
@@ -250,6 +303,10 @@ async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | Non
             return None
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _store_down() -> web.Response:
+    return error_response(503, "the conversation store is unavailable; heartbeat again shortly", "service_unavailable")
 
 
 def _finite(value: Any) -> bool:

@@ -29,12 +29,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from impl.policy import ConversationEntry, ConversationStore
+from impl.policy import ConversationEntry
 from impl.router.capture import TurnCapture
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
@@ -42,6 +42,7 @@ from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest
 from impl.router.sse import SSEError, SSESplitter, format_event
+from impl.router.stores import RouterStore, StoreUnavailable
 from impl.router.upstream_http import (UpstreamClient, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
                                        UpstreamResponse)
 from impl.router.upstreams import Upstream, UpstreamPool
@@ -129,7 +130,7 @@ class PrefillResult:
 
 class TurnProxy:
     def __init__(self, config: RouterConfig, session: aiohttp.ClientSession | None, prefill: UpstreamPool, decode: UpstreamPool,
-                 store: ConversationStore, hub: NotifyHub, metrics: RouterMetrics, upstream_headers: dict[str, str],
+                 store: RouterStore, hub: NotifyHub, metrics: RouterMetrics, upstream_headers: dict[str, str],
                  notify_url: Callable[[], str | None], clock: Callable[[], float] = time.monotonic,
                  client: UpstreamClient | None = None) -> None:
         self.config = config
@@ -186,11 +187,11 @@ class TurnProxy:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
         handed_off = recorded = False
 
-        def record(capture: TurnCapture, upstream: Upstream) -> None:
+        async def record(capture: TurnCapture, upstream: Upstream) -> None:
             nonlocal handed_off, recorded
             recorded = True
             if storable:
-                handed_off = self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
+                handed_off = await self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
 
         try:
             if turn.stream:
@@ -198,7 +199,7 @@ class TurnProxy:
             else:
                 response, capture, upstream = await self._decode_json(turn, payload, headers, info)
             if not recorded and capture is not None and upstream is not None:
-                record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
+                await record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
             return response
         finally:
             if token is not None and not handed_off:
@@ -213,7 +214,11 @@ class TurnProxy:
             self.metrics.reuse_misses.inc("unsupported")
             return None
         await self.recorder.wait_pending(key)  # the previous turn may still await D's notification
-        found = self.store.lookup(tenant, key[1], turn.view, self.clock())
+        try:
+            found = await self.store.lookup(tenant, key[1], turn.view, self.clock())
+        except StoreUnavailable:  # Redis down: the turn is served, without reuse (the store logged it once)
+            self.metrics.reuse_misses.inc("store_unavailable")
+            return None
         if found.entry is None:
             self.metrics.reuse_misses.inc(found.miss.value if found.miss else "unknown")
             return None
@@ -384,7 +389,7 @@ class TurnProxy:
         return web.Response(body=body, headers={**_JSON_HEADERS, **info, "X-Bidikv-Decode": upstream.name}), capture, upstream
 
     async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
-                             t0: float, info: dict[str, str], record: Callable[[TurnCapture, Upstream], None],
+                             t0: float, info: dict[str, str], record: Callable[[TurnCapture, Upstream], Awaitable[None]],
                              ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
             resp, upstream = await self._open_decode(turn, payload, headers)
@@ -453,7 +458,7 @@ class TurnProxy:
                 # stored before the client can see [DONE]: a client that sends its next turn at once
                 # must find this one (stored after write_eof, a loaded router could resume this handler
                 # only after that next turn's lookup)
-                record(capture, upstream)
+                await record(capture, upstream)
             await out.write_eof(final)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self.metrics.stream_errors.inc("client_gone")

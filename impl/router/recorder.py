@@ -18,12 +18,13 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from impl.policy import ConversationEntry, ConversationStore
+from impl.policy import ConversationEntry
 from impl.router.capture import TurnCapture, decode_params_problem
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import NOTIFY_KEY, Notification, NotifyHub
 from impl.router.request import TurnRequest
+from impl.router.stores import RouterStore, StoreUnavailable
 from impl.router.upstreams import Upstream
 
 log = logging.getLogger("bidikv.router")
@@ -32,7 +33,7 @@ Key = tuple[str, str]
 
 
 class TurnRecorder:
-    def __init__(self, config: RouterConfig, store: ConversationStore, hub: NotifyHub, metrics: RouterMetrics,
+    def __init__(self, config: RouterConfig, store: RouterStore, hub: NotifyHub, metrics: RouterMetrics,
                  clock: Callable[[], float]) -> None:
         self.config = config
         self.store = store
@@ -51,8 +52,8 @@ class TurnRecorder:
             except asyncio.TimeoutError:
                 pass
 
-    def finish_turn(self, key: Key, turn: TurnRequest, capture: TurnCapture, upstream: Upstream,
-                    notify_turn: str | None) -> bool:
+    async def finish_turn(self, key: Key, turn: TurnRequest, capture: TurnCapture, upstream: Upstream,
+                          notify_turn: str | None) -> bool:
         """Store the turn now, or hand it to a background waiter; True if the waiter now owns ``notify_turn``."""
         if not capture.complete:
             self.metrics.turns_not_stored.inc("upstream_error" if capture.error else "incomplete")
@@ -63,11 +64,17 @@ class TurnRecorder:
         finished_at = self.clock()
         notification = self.hub.peek(notify_turn) if notify_turn else None
         if notification is not None or capture.kv_params is not None:
-            self._store(key, turn, capture, upstream, finished_at, notification)
+            await self._store(key, turn, capture, upstream, finished_at, notification)
             return False
         if notify_turn is None or self.config.notify_wait_s <= 0:
             self.metrics.turns_not_stored.inc("no_params")
             return False
+        try:
+            # a shared store: the next turn may reach another replica, whose lookup waits on this mark
+            # as wait_pending does here (set before the client can see [DONE])
+            await self.store.mark_pending(key[0], key[1], self.config.notify_wait_s)
+        except StoreUnavailable:
+            pass
         future = asyncio.get_running_loop().create_future()
         self._finalizing[key] = future
         task = asyncio.get_running_loop().create_task(
@@ -83,16 +90,20 @@ class TurnRecorder:
             if notification is None:
                 self.metrics.turns_not_stored.inc("no_params")
             else:
-                self._store(key, turn, capture, upstream, finished_at, notification)
+                await self._store(key, turn, capture, upstream, finished_at, notification)
         finally:
             self.hub.close(notify_turn)
+            try:
+                await self.store.clear_pending(key[0], key[1])
+            except StoreUnavailable:
+                pass  # the mark expires on its own after notify_wait_s
             if self._finalizing.get(key) is future:
                 del self._finalizing[key]
             if not future.done():
                 future.set_result(None)
 
-    def _store(self, key: Key, turn: TurnRequest, capture: TurnCapture, upstream: Upstream,
-               finished_at: float, notification: Notification | None) -> None:
+    async def _store(self, key: Key, turn: TurnRequest, capture: TurnCapture, upstream: Upstream,
+                     finished_at: float, notification: Notification | None) -> None:
         if notification is not None:
             params = notification.kv_params
             source = "notify"
@@ -125,7 +136,11 @@ class TurnRecorder:
         entry = ConversationEntry(decode_instance=upstream.name, kv_params=params, expires_at=expires_at,
                                   num_tokens=int(params["remote_num_tokens"]), held_len=held[0], held_digest=held[1],
                                   stored_at=now)
-        self.store.record_success(key[0], key[1], entry, now)
+        try:
+            await self.store.record_success(key[0], key[1], entry, now)
+        except StoreUnavailable:  # Redis down: the client has its answer; the next turn recomputes
+            self.metrics.turns_not_stored.inc("store_unavailable")
+            return
         self.metrics.turns_stored.inc(source)
 
     async def settle(self) -> None:

@@ -102,8 +102,15 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id: str | None, max_id_len: int) -> TurnRequest:
+def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id: str | None, max_id_len: int,
+               header_session_id: str | None = None) -> TurnRequest:
     conversation_id = _conversation_id(body.pop("conversation_id", None), header_conversation_id, max_id_len)
+    # vLLM's own session key (PR #48048: body "session_id", header X-Session-ID) names the conversation
+    # too; removed from what goes upstream like conversation_id (vLLM 0.32 predates the field)
+    session_id = _conversation_id(body.pop("session_id", None), header_session_id, max_id_len, "session_id", "X-Session-ID")
+    if conversation_id is not None and session_id is not None and conversation_id != session_id:
+        raise RequestError("session_id", "names another conversation than conversation_id / X-Conversation-Id")
+    conversation_id = conversation_id if conversation_id is not None else session_id
     if "kv_transfer_params" in body:
         raise RequestError("kv_transfer_params", "is set by the router; clients must not send it")
     stream = body.get("stream", False)
@@ -144,20 +151,21 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
     return TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
 
 
-def _conversation_id(from_body: Any, from_header: str | None, max_len: int) -> str | None:
+def _conversation_id(from_body: Any, from_header: str | None, max_len: int, field: str = "conversation_id",
+                     header: str = "X-Conversation-Id") -> str | None:
     if from_body is not None and not isinstance(from_body, str):
-        raise RequestError("conversation_id", "must be a string")
+        raise RequestError(field, "must be a string")
     if from_body is not None and from_header is not None and from_body != from_header:
-        raise RequestError("conversation_id", "body field and X-Conversation-Id header disagree")
+        raise RequestError(field, f"body field and {header} header disagree")
     cid = from_body if from_body is not None else from_header
-    return None if cid is None else check_conversation_id(cid, max_len)
+    return None if cid is None else check_conversation_id(cid, max_len, field)
 
 
-def check_conversation_id(cid: str, max_len: int) -> str:
+def check_conversation_id(cid: str, max_len: int, field: str = "conversation_id") -> str:
     """A conversation id from a body, a header or a URL path: 1..max_len characters of valid Unicode."""
     if not cid or len(cid) > max_len:
-        raise RequestError("conversation_id", f"must be 1..{max_len} characters")
-    _check_encodable(cid, "conversation_id")
+        raise RequestError(field, f"must be 1..{max_len} characters")
+    _check_encodable(cid, field)
     return cid
 
 

@@ -1,0 +1,387 @@
+"""The conversation store in Redis/Valkey: one store for a fleet of router replicas (issue 14).
+
+``bidikv router --store redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://PATH``; the password
+in the URL or in ``$BIDIKV_STORE_PASSWORD``). Same rules as :class:`impl.policy.ConversationStore`,
+each turn's read and each write one Lua script, so every step is atomic on the server whichever
+replica runs it (Redis runs a script alone; no WATCH/MULTI retry loops):
+
+* **tenant scoping** -- entries are keyed by (tenant, conversation id); a per-id count of tenants
+  holding it answers the ``tenant`` miss, as the in-memory store does;
+* **expiry with the margin** -- each entry is indexed by the time it stops being offerable
+  (``expires_at - margin``); every script first purges what is past it (amortised O(log n) each, the
+  wheel's job in memory). Times travel as the wall clock (``time.time()``) so replicas agree: each
+  replica converts its monotonic clock with one offset taken at start-up, and D's own expiry is only
+  ever carried inside ``kv_params``, never compared;
+* **the guard** -- the continuation digest is checked here, after the one round trip, on the entry
+  the script returned (the script cannot hash a prompt; the entry cannot change meaning in transit);
+* **a failed turn keeps its entry** -- a lookup never consumes;
+* **the bound** -- exact LRU over ``max_entries`` live entries, by a sorted set of last-use stamps,
+  enforced by the script that stores. Redis key TTLs are only a backstop (usable time + 10 min) that
+  frees an abandoned fleet's memory, and ``maxmemory-policy`` should be ``noeviction`` or
+  ``volatile-lru``: only entry keys carry a TTL, so Redis never evicts the indexes, and an entry Redis
+  dropped anyway is cleaned from them as ``evicted`` on its next lookup. ``allkeys-*`` could evict an
+  index and is not supported.
+
+What atomicity buys across replicas: a heartbeat that renewed an entry writes it back only if it is
+still the entry it read (compare-and-set on a version), so it never resurrects blocks another
+replica's next turn has already had P read (D frees blocks on that read); two replicas storing the
+same conversation at once (a client retry that landed on the other one) each write a whole entry
+and every index in one step, the later one winning -- both entries point at blocks their own D
+holds. A turn whose update awaits D's notification marks the conversation pending, and a lookup on
+any replica waits for it (at most ``notify_wait_s``), as the in-process recorder does.
+
+Faults: any Redis error (refused, reset, timeout after ``timeout_s``) raises
+:class:`~impl.router.stores.StoreUnavailable` -- the router serves the turn without reuse -- is
+logged once when the store goes away and once when it returns, and for ``retry_s`` afterwards calls
+fail at once instead of each paying a timeout. A restarted Redis has lost its scripts: the client
+reloads them (EVALSHA, then SCRIPT LOAD on NOSCRIPT). Not supported: Redis Cluster (the scripts
+touch keys they derive; every key of a store lives under one prefix on one server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from impl.policy import ConversationEntry, Lookup, MissReason
+from impl.policy.continuation import PromptView, continues
+from impl.policy.store import StoreStats
+from impl.router.stores import StoreUnavailable, Versioned
+
+log = logging.getLogger("bidikv.router")
+
+BACKSTOP_GRACE_S = 600.0
+_FOREVER = 1e308  # an entry that never expires (expires_at = inf): the largest finite score
+_PENDING_POLL_S = 0.005
+
+# Shared by every script: KEYS[1] is the store's prefix. A member names one (tenant, conversation):
+# "<byte length of tenant>:<tenant><conversation id>", unambiguous whatever either contains.
+_COMMON = r"""
+local pfx = KEYS[1]
+local function conv_of(m)
+  local i = string.find(m, ':', 1, true)
+  return string.sub(m, i + 1 + tonumber(string.sub(m, 1, i - 1)))
+end
+local function remember_gone(m, reason, max)
+  redis.call('HSET', pfx .. 'gone', m, reason)
+  redis.call('ZADD', pfx .. 'gone_order', redis.call('INCR', pfx .. 'seq'), m)
+  local extra = redis.call('ZCARD', pfx .. 'gone_order') - max
+  if extra > 0 then
+    local old = redis.call('ZPOPMIN', pfx .. 'gone_order', extra)
+    for i = 1, #old, 2 do redis.call('HDEL', pfx .. 'gone', old[i]) end
+  end
+end
+local function forget_gone(m)
+  redis.call('HDEL', pfx .. 'gone', m)
+  redis.call('ZREM', pfx .. 'gone_order', m)
+end
+-- drop m's entry and index entries; true if it was stored
+local function remove(m, reason, max)
+  redis.call('DEL', pfx .. 'e:' .. m)
+  redis.call('ZREM', pfx .. 'exp', m)
+  if redis.call('ZREM', pfx .. 'lru', m) == 0 then return false end
+  local c = conv_of(m)
+  if redis.call('HINCRBY', pfx .. 'ids', c, -1) <= 0 then redis.call('HDEL', pfx .. 'ids', c) end
+  if reason then remember_gone(m, reason, max) end
+  return true
+end
+local function purge(now, max)
+  local dead = redis.call('ZRANGEBYSCORE', pfx .. 'exp', '-inf', now)
+  for _, m in ipairs(dead) do remove(m, 'expired', max) end
+  return #dead
+end
+"""
+
+# ARGV: now, member, max_entries, '1' to wait for a pending update -> {status, purged, size, [version, data]}
+_LOOKUP = _COMMON + r"""
+local now, m, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local purged = purge(now, max)
+if ARGV[4] == '1' and redis.call('EXISTS', pfx .. 'p:' .. m) == 1 then
+  return {'pending', purged, redis.call('ZCARD', pfx .. 'lru')}
+end
+local h = redis.call('HMGET', pfx .. 'e:' .. m, 'v', 'u', 'd')
+if not h[1] then
+  -- indexed but its key is gone: Redis dropped it (maxmemory policy or the backstop TTL)
+  remove(m, 'evicted', max)
+  local reason
+  if redis.call('HEXISTS', pfx .. 'ids', conv_of(m)) == 1 then
+    reason = 'tenant'
+  else
+    reason = redis.call('HGET', pfx .. 'gone', m) or 'unknown'
+  end
+  return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), reason}
+end
+if tonumber(now) >= tonumber(h[2]) then
+  return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), 'expired'}
+end
+-- stamped as used now, optimistically: the guard (checked by the caller) nearly always passes, and
+-- a failed guard puts the previous stamp back (_UNTOUCH): one round trip for a hit, not two
+local prev = redis.call('ZSCORE', pfx .. 'lru', m) or '0'
+local stamp = redis.call('INCR', pfx .. 'seq')
+redis.call('ZADD', pfx .. 'lru', 'XX', stamp, m)
+return {'hit', purged, redis.call('ZCARD', pfx .. 'lru'), h[1], h[3], prev, tostring(stamp)}
+"""
+
+# ARGV: member, previous stamp, our stamp -> 1 if restored (nothing used the entry since our lookup)
+_UNTOUCH = r"""
+local pfx = KEYS[1]
+if redis.call('ZSCORE', pfx .. 'lru', ARGV[1]) == ARGV[3] then
+  redis.call('ZADD', pfx .. 'lru', 'XX', ARGV[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# ARGV: now, member, max_entries, usable_until, data, backstop_ms, expected version ('' = any)
+#   -> {status, purged, size, [version, evicted]}
+_RECORD = _COMMON + r"""
+local now, m, max, u, data, ttl, expect = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
+local purged = purge(now, max)
+local k = pfx .. 'e:' .. m
+if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then
+  return {'conflict', purged, redis.call('ZCARD', pfx .. 'lru')}
+end
+remove(m, false, max)
+if tonumber(now) >= tonumber(u) then
+  remember_gone(m, 'expired', max)
+  return {'expired', purged, redis.call('ZCARD', pfx .. 'lru')}
+end
+forget_gone(m)
+local v = redis.call('INCR', pfx .. 'seq')
+redis.call('HSET', k, 'v', v, 'u', u, 'd', data)
+if ttl > 0 then redis.call('PEXPIRE', k, ttl) end
+redis.call('ZADD', pfx .. 'lru', v, m)
+redis.call('ZADD', pfx .. 'exp', u, m)
+redis.call('HINCRBY', pfx .. 'ids', conv_of(m), 1)
+local evicted = 0
+while redis.call('ZCARD', pfx .. 'lru') > max do
+  remove(redis.call('ZRANGE', pfx .. 'lru', 0, 0)[1], 'evicted', max)
+  evicted = evicted + 1
+end
+return {'stored', purged, redis.call('ZCARD', pfx .. 'lru'), tostring(v), evicted}
+"""
+
+# ARGV: member, expected version ('' = any), max_entries -> 1 if an entry was removed
+_FORGET = _COMMON + r"""
+local m, expect, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local k = pfx .. 'e:' .. m
+if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then return 0 end
+local present = redis.call('EXISTS', k)
+remove(m, false, max)
+forget_gone(m)
+return present
+"""
+
+_MISS = {b"unknown": MissReason.UNKNOWN, b"expired": MissReason.EXPIRED, b"tenant": MissReason.TENANT,
+         b"evicted": MissReason.EVICTED}
+_ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(ConversationEntry))
+_SHARED_TIME_FIELDS = ("expires_at", "stored_at")  # on the router's clock in memory, wall clock in Redis
+
+
+def member(tenant: str, conversation_id: str) -> bytes:
+    t = tenant.encode("utf-8", "surrogatepass")
+    return str(len(t)).encode() + b":" + t + conversation_id.encode("utf-8", "surrogatepass")
+
+
+def _score(t: float) -> str:
+    return repr(min(t, _FOREVER))  # repr round-trips a float exactly; Lua and ZSET scores are doubles
+
+
+class RedisStore:
+    """The awaited store protocol of :mod:`impl.router.stores`, in Redis."""
+
+    def __init__(self, client: Any, *, max_entries: int = 100_000, expiry_margin_s: float = 5.0, retry_s: float = 1.0,
+                 prefix: str = "bidikv:", pending_wait_s: float = 2.0, clock_offset: float | None = None,
+                 name: str = "redis") -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.client = client
+        self.max_entries = max_entries
+        self.expiry_margin_s = expiry_margin_s
+        self.retry_s = retry_s
+        self.prefix = prefix
+        self.pending_wait_s = pending_wait_s
+        self.name = name
+        # the router's clock is monotonic (per process); replicas share the wall clock
+        self.offset = time.time() - time.monotonic() if clock_offset is None else clock_offset
+        self._lookup = client.register_script(_LOOKUP)
+        self._untouch = client.register_script(_UNTOUCH)
+        self._record = client.register_script(_RECORD)
+        self._forget = client.register_script(_FORGET)
+        self.stats = StoreStats()
+        self.errors = 0  # calls that raised StoreUnavailable (failed, or refused while the store is down)
+        self._size = 0  # live entries, as of the last script's answer (for the gauge; never a decision)
+        self._down_until = -math.inf
+        self._down = False
+
+    @classmethod
+    def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, **kwargs: Any) -> "RedisStore":
+        import redis.asyncio as aioredis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from urllib.parse import urlsplit
+        extra: dict[str, Any] = {}
+        if password and not urlsplit(url).password:
+            extra["password"] = password
+        # one immediate retry on a fresh connection: a pooled connection to a Redis that restarted
+        # fails once and then works; more retries would only add timeouts while it is really down
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                         retry=Retry(NoBackoff(), 1), **extra)
+        parts = urlsplit(url)
+        return cls(client, name=f"{parts.scheme}://{parts.hostname or ''}:{parts.port or ''}{parts.path}", **kwargs)
+
+    # -- faults -----------------------------------------------------------------------------------
+    async def _call(self, call) -> Any:
+        if time.monotonic() < self._down_until:
+            self.errors += 1
+            raise StoreUnavailable(f"conversation store {self.name} is down")
+        try:
+            result = await call()
+        except Exception as e:  # redis errors, OSError, timeouts: all mean "no answer we can use"
+            import redis.exceptions
+
+            if not isinstance(e, (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)):
+                raise
+            self.errors += 1
+            self._down_until = time.monotonic() + self.retry_s
+            if not self._down:
+                self._down = True
+                log.warning("conversation store %s unreachable (%s: %s): serving turns without reuse until it "
+                            "answers again", self.name, type(e).__name__, e)
+            raise StoreUnavailable(str(e)) from None
+        if self._down:
+            self._down = False
+            log.warning("conversation store %s reachable again: reusing KV again", self.name)
+        return result
+
+    def _script(self, script, *args: Any):
+        return self._call(lambda: script(keys=[self.prefix], args=list(args)))
+
+    # -- encoding ---------------------------------------------------------------------------------
+    def _encode(self, entry: ConversationEntry) -> bytes:
+        data = {name: getattr(entry, name) for name in _ENTRY_FIELDS}
+        for name in _SHARED_TIME_FIELDS:
+            data[name] = data[name] + self.offset
+        data["kv_params"] = dict(data["kv_params"])
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    def _decode(self, raw: bytes) -> ConversationEntry:
+        data = json.loads(raw)
+        for name in _SHARED_TIME_FIELDS:
+            data[name] = data[name] - self.offset
+        # fields a newer router added are dropped; fields it lacks keep their defaults
+        return ConversationEntry(**{k: v for k, v in data.items() if k in _ENTRY_FIELDS})
+
+    def _shared(self, now: float) -> str:
+        return repr(now + self.offset)
+
+    # -- the protocol -----------------------------------------------------------------------------
+    async def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        m = member(tenant, conversation_id)
+        started = time.monotonic()
+        while True:
+            waited = time.monotonic() - started
+            # the previous turn, on some replica, awaits D's notification: let it land (bounded), then
+            # take what is stored
+            wait = b"1" if waited < self.pending_wait_s else b"0"
+            reply = await self._script(self._lookup, self._shared(now + waited), m, self.max_entries, wait)
+            self.stats.purged += int(reply[1])
+            self._size = int(reply[2])
+            if reply[0] != b"pending":
+                break
+            await asyncio.sleep(_PENDING_POLL_S)
+        if reply[0] == b"hit":
+            entry = self._decode(reply[4])
+            # the guard of ConversationStore.lookup (no digest: the reader verifies token ids itself)
+            if entry.held_digest is not None and not continues(prompt, entry.held_len, entry.held_digest):
+                try:
+                    await self._script(self._untouch, m, reply[5], reply[6])
+                except StoreUnavailable:
+                    pass  # the entry merely looks more recently used than it was
+                return self._miss(MissReason.GUARD)
+            self.stats.hits += 1
+            return Lookup(entry, None)
+        return self._miss(_MISS.get(reply[3], MissReason.UNKNOWN))
+
+    def _miss(self, reason: MissReason) -> Lookup:
+        self.stats.misses[reason] += 1
+        return Lookup(None, reason)
+
+    async def _write(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float,
+                     expect: str) -> bytes:
+        usable_until = entry.expires_at - self.expiry_margin_s
+        backstop_ms = 0 if math.isinf(usable_until) else max(1, int((usable_until - now + BACKSTOP_GRACE_S) * 1000))
+        reply = await self._script(self._record, self._shared(now), member(tenant, conversation_id), self.max_entries,
+                                   _score(usable_until + self.offset), self._encode(entry), backstop_ms, expect)
+        self.stats.purged += int(reply[1])
+        self._size = int(reply[2])
+        if reply[0] == b"stored":
+            self.stats.evictions += int(reply[4])
+        return reply[0]
+
+    async def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None:
+        await self._write(tenant, conversation_id, entry, now, "")
+
+    async def replace(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float,
+                      expect: Any) -> bool:
+        return await self._write(tenant, conversation_id, entry, now, expect) != b"conflict"
+
+    async def forget(self, tenant: str, conversation_id: str, expect: Any = None) -> bool:
+        return bool(await self._script(self._forget, member(tenant, conversation_id), expect or "", self.max_entries))
+
+    async def get(self, tenant: str, conversation_id: str) -> Versioned | None:
+        key = self.prefix.encode() + b"e:" + member(tenant, conversation_id)
+        version, data = await self._call(lambda: self.client.hmget(key, "v", "d"))
+        if version is None or data is None:
+            return None
+        return Versioned(self._decode(data), version.decode())
+
+    async def mark_pending(self, tenant: str, conversation_id: str, ttl_s: float) -> None:
+        key = self.prefix.encode() + b"p:" + member(tenant, conversation_id)
+        await self._call(lambda: self.client.set(key, b"1", px=max(1, int(ttl_s * 1000))))
+
+    async def clear_pending(self, tenant: str, conversation_id: str) -> None:
+        key = self.prefix.encode() + b"p:" + member(tenant, conversation_id)
+        await self._call(lambda: self.client.delete(key))
+
+    async def remember_listener(self, engine_id: str, url: str) -> None:
+        # bounded like the in-process directory: engine ids change when a D restarts
+        from impl.router.heartbeat import MAX_ENGINES
+
+        key, order = self.prefix + "listeners", self.prefix + "listeners_order"
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(key, engine_id, url).zadd(order, {engine_id: time.time()})
+                pipe.zrange(order, 0, -MAX_ENGINES - 1)  # all but the newest MAX_ENGINES
+                *_, stale = await pipe.execute()
+            if stale:
+                async with self.client.pipeline(transaction=True) as pipe:
+                    await pipe.hdel(key, *stale).zrem(order, *stale).execute()
+
+        await self._call(write)
+
+    async def listener(self, engine_id: str) -> str | None:
+        url = await self._call(lambda: self.client.hget(self.prefix + "listeners", engine_id))
+        return None if url is None else url.decode()
+
+    async def size(self) -> int:
+        """The live entries right now (one round trip; ``len()`` is the last answer's count)."""
+        self._size = int(await self._call(lambda: self.client.zcard(self.prefix + "lru")))
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def evictions(self) -> int:
+        return self.stats.evictions
+
+    async def close(self) -> None:
+        await self.client.aclose()
