@@ -52,6 +52,11 @@ bidikv_heartbeat_port              0          D: port of the heartbeat listener 
                                               engine's data-parallel index; 0: no listener (a lease
                                               then acts as a fixed TTL of ``bidikv_lease_s``)
 bidikv_heartbeat_host              "0.0.0.0"  address that listener binds to
+bidikv_require_verified_prefix     true       P: pull D's kept KV only for the prefix whose token ids are
+                                              verified equal to the prompt's (impl.policy.prefix_check);
+                                              with false, a D that publishes no checkpoints (not this
+                                              connector) is trusted as vLLM does. A published check is
+                                              always applied, on both read paths
 =================================  =========  ==========================================================
 
 Keys that belong to a retention policy that is not selected are rejected (a lease length under
@@ -111,6 +116,7 @@ _OTHER_KEYS = (
     "bidikv_notify_timeout_s",
     "bidikv_heartbeat_port",
     "bidikv_heartbeat_host",
+    "bidikv_require_verified_prefix",
 )
 KNOWN_BIDIKV_KEYS = frozenset(_OTHER_KEYS) | frozenset(_LEASE_KEYS) | frozenset(_GAP_KEYS)
 
@@ -192,6 +198,7 @@ class ConnectorSettings:
     notify_timeout_s: float = 1.0
     heartbeat_port: int = 0
     heartbeat_host: str = "0.0.0.0"
+    require_verified_prefix: bool = True
     recompute_policy: RecomputePolicy = field(default=FixedThreshold(VLLM_DEFAULT_THRESHOLD), compare=False)
     explicit_keys: frozenset[str] = frozenset()
 
@@ -263,6 +270,8 @@ class ConnectorSettings:
             notify_timeout_s=_seconds(extra, "bidikv_notify_timeout_s", _default("notify_timeout_s"), positive=True),
             heartbeat_port=_port(extra, "bidikv_heartbeat_port"),
             heartbeat_host=_host(extra, "bidikv_heartbeat_host"),
+            require_verified_prefix=_bool(extra, "bidikv_require_verified_prefix",
+                                          _default("require_verified_prefix")),
             recompute_policy=policy,
             explicit_keys=frozenset(k for k in extra if isinstance(k, str)),
         )

@@ -56,7 +56,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from impl.connector.config import ConfigError, ConnectorSettings
 from impl.connector.heartbeat import HeartbeatListener
 from impl.connector.notify import NOTIFY_KEY, Notifier, parse_notify_field
+from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_block_size_of, report_of
 from impl.policy import PullCandidate, RecomputeDecision, TransferPath
+from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,6 +132,9 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self._engine_inbox = _find_engine_inbox()
         self._warned_host_buffer = False
         self.heartbeats = self._start_heartbeat_listener(vllm_config, engine_id)
+        # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
+        self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
+        self._reports: dict[str, ReuseReport] = {}  # request -> its read's report, counted when it finishes
         log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
                  "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
                  "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
@@ -156,15 +161,26 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             return 0, False
         remote = _count(params.get("remote_num_tokens"))
         remote = prompt if remote is None else min(remote, prompt)
+        # P computed this very prompt, so its KV matches unless something between P and D re-tokenized
+        # differently; P's checkpoints (this connector on P) say so, a P without them is trusted as
+        # upstream trusts it (the ordinary disaggregated path must keep working with a plain P)
+        offered = remote - local_hit
+        verification = self.prefix.verify(request, params) if params.get(CHECK_KEY) is not None else None
+        if verification is not None:
+            remote = min(remote, verification.tokens)
         if not self.settings.apply_threshold_p_to_d:
-            if remote - local_hit <= 0:
+            pulled = max(0, remote - local_hit)
+            self._report(request, TransferPath.PREFILL_TO_DECODE, offered, verification, pulled, pulled)
+            if pulled <= 0:
                 return 0, False
             self._pull_plans[request.request_id] = PullCandidate(prompt, remote, local_hit, self.block_size,
                                                                  TransferPath.PREFILL_TO_DECODE)
             self._awaiting_recv.add(request.request_id)
-            return remote - local_hit, True
+            return pulled, True
         candidate = PullCandidate(prompt, remote, local_hit, self.block_size, TransferPath.PREFILL_TO_DECODE)
-        return self._decide(request, candidate, local_hit)
+        tokens, load = self._decide(request, candidate, local_hit)
+        self._report(request, candidate.path, offered, verification, candidate.reusable_tokens, tokens)
+        return tokens, load
 
     def _decode_to_prefill(self, request: "Request", params: dict[str, Any], local_hit: int) -> tuple[int, bool]:
         if not self.is_bidirectional_kv_xfer_enabled:
@@ -182,9 +198,27 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             log.warning("request %s: ignoring remote_num_tokens %r from the router", request.request_id,
                         params.get("remote_num_tokens"))
             return 0, False
+        offered = min(remote, request.num_prompt_tokens) - local_hit
+        verification: PrefixVerification | None = self.prefix.verify(request, params)
+        if verification.reason is VerifyReason.NO_CHECK and not self.settings.require_verified_prefix:
+            verification = None  # the operator chose to trust a D that publishes no checkpoints
+        else:
+            remote = min(remote, verification.tokens)
         candidate = PullCandidate(request.num_prompt_tokens, remote, local_hit, self.block_size,
                                   TransferPath.DECODE_TO_PREFILL)
-        return self._decide(request, candidate, local_hit)
+        tokens, load = self._decide(request, candidate, local_hit)
+        self._report(request, candidate.path, offered, verification, candidate.reusable_tokens, tokens)
+        return tokens, load
+
+    def _report(self, request: "Request", path: TransferPath, offered: int,
+                verification: PrefixVerification | None, verified: int, pulled: int) -> None:
+        if offered <= 0:
+            return
+        report = report_of(path.value, offered, verification, verified, pulled)
+        self._reports[request.request_id] = report
+        if report.verified < report.offered:
+            log.info("request %s %s: peer offered %d tokens, %d verified equal to the prompt's (%s), pulling %d",
+                     request.request_id, path.value, report.offered, report.verified, report.reason, report.pulled)
 
     def _decide(self, request: "Request", candidate: PullCandidate, local_hit: int) -> tuple[int, bool]:
         decision: RecomputeDecision = self.recompute_policy.decide(candidate)
@@ -246,8 +280,21 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._pull_plans.pop(request.request_id, None)
         self._awaiting_recv.discard(request.request_id)
+        report = self._reports.pop(request.request_id, None)
+        if report is not None:
+            self.prefix.count(report)
         request_params = request.kv_transfer_params
         delay, out = super().request_finished(request, block_ids)
+        if delay and out is not None and out.get("remote_num_tokens"):
+            # what the reader of these blocks will check its prompt against; D's previous answer is
+            # where a next prompt drifts (re-tokenized, trimmed, reasoning dropped): checkpoints are
+            # dense just after D's prompt
+            anchors = (request.num_prompt_tokens,) if out.get("do_remote_decode") else ()
+            check = self.prefix.publish(request, int(out["remote_num_tokens"]), anchors)
+            if check is not None:
+                out[CHECK_KEY] = check
+        if out is not None and report is not None and report.path == TransferPath.DECODE_TO_PREFILL.value:
+            out[REPORT_KEY] = report.as_params()  # P's answer to the router: what its pull was
         if _DEBUG:
             log.warning("bidikv scheduler %s: request_finished %s status=%s delay=%s", self.engine_id,
                         request.request_id, request.status, delay)

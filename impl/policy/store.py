@@ -39,7 +39,9 @@ class ConversationEntry:
     expires_at: float  # D's remote_blocks_expiry_time on the router's clock
     num_tokens: int  # tokens of KV D holds (remote_num_tokens)
     held_len: int  # guard: length of the held sequence in digest items
-    held_digest: str  # guard: digest of those items
+    # guard: digest of those items; None when the reader verifies token ids itself (D published
+    # impl.policy.prefix_check checkpoints), so the message-level guard is not needed and not applied
+    held_digest: str | None
     stored_at: float = 0.0
 
 
@@ -100,7 +102,7 @@ class ConversationStore:
             return self._miss(self._gone.get(key, MissReason.UNKNOWN))
         if now >= self._usable_until(entry):
             return self._miss(MissReason.EXPIRED)
-        if not continues(prompt, entry.held_len, entry.held_digest):
+        if entry.held_digest is not None and not continues(prompt, entry.held_len, entry.held_digest):
             return self._miss(MissReason.GUARD)
         self._entries.move_to_end(key)
         self.stats.hits += 1

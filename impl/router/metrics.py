@@ -166,3 +166,8 @@ class RouterMetrics:
         self.store_entries = r.add(Gauge(p + "store_entries", "Conversations currently in the store."))
         self.upstream_healthy = r.add(Gauge(p + "upstream_healthy", "1 if the instance passes health probes.", ("instance", "role")))
         self.upstream_in_flight = r.add(Gauge(p + "upstream_in_flight", "Requests in flight per instance.", ("instance", "role")))
+        self.client_connections = r.add(Gauge(p + "client_connections", "Client connections open now."))
+        self.client_closed = r.add(Counter(p + "client_connections_closed_total", "Client connections the router "
+                                           "closed or refused, by reason (header_timeout and body_timeout: answered 408; "
+                                           "idle: kept alive past client_idle_timeout_s; over_limit: refused with 503 at "
+                                           "max_client_connections).", ("reason",)))

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from impl.policy import ConversationEntry
+from impl.policy.prefix_check import REPORT_KEY
 from impl.router.capture import TurnCapture
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
@@ -126,6 +127,7 @@ class PrefillResult:
     upstream: Upstream
     kv_params: dict[str, Any] | None
     cached_tokens: int | None = None  # P's usage.prompt_tokens_details.cached_tokens (local + pulled), if reported
+    reuse_report: dict[str, Any] | None = None  # what P offered / verified / pulled (our connector on P)
 
 
 class TurnProxy:
@@ -185,6 +187,8 @@ class TurnProxy:
                 "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
         if prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
+        if offered is not None:
+            self._account_reuse(prefill, info, key)
         handed_off = recorded = False
 
         async def record(capture: TurnCapture, upstream: Upstream) -> None:
@@ -283,14 +287,17 @@ class TurnProxy:
                     last_failure = UpstreamFailure(502, "prefill returned an unreadable body")
                     continue
                 kv = obj.get("kv_transfer_params")
+                report = None
                 if not isinstance(kv, dict) or not kv:
                     kv = None  # P without a KV connector: D computes the prompt itself
-                elif self.config.rewrite_remote_host:
+                else:
                     kv = dict(kv)
-                    kv["remote_host"] = upstream.host
+                    report = kv.pop(REPORT_KEY, None)  # for the router, not for D
+                    if self.config.rewrite_remote_host:
+                        kv["remote_host"] = upstream.host
                 if key is not None:
                     self._remember_affinity(key, upstream.name, turn.estimated_tokens)
-                return PrefillResult(upstream, kv, _cached_tokens(obj))
+                return PrefillResult(upstream, kv, _cached_tokens(obj), report if reuse else None)
             if 400 <= status < 500 and status != 408:
                 raise _PassThrough(_passthrough_error(status, raw))
             self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
@@ -300,6 +307,27 @@ class TurnProxy:
                 reuse = False
                 tried.discard(upstream.name)
                 self.metrics.reuse_misses.inc("prefill_error")
+
+    def _account_reuse(self, prefill: PrefillResult, info: dict[str, str], key: tuple[str, str] | None) -> None:
+        """P's report of an offered turn: counted, logged when P refused part of it, and in the headers."""
+        report = prefill.reuse_report
+        counts = {}
+        if isinstance(report, dict):
+            for name in ("offered", "verified", "pulled"):
+                value = report.get(name)
+                if type(value) is int and value >= 0:
+                    counts[name] = value
+        reason = report.get("reason") if isinstance(report, dict) else None
+        reason = reason if isinstance(reason, str) and reason.isidentifier() and len(reason) <= 32 else "none"
+        self.metrics.p_verify_results.inc(reason)
+        for name, value in counts.items():
+            self.metrics.p_verified_tokens.inc(name, amount=value)
+            info[f"X-Bidikv-Reuse-{name.capitalize()}-Tokens"] = str(value)
+        info["X-Bidikv-Reuse-Verify"] = reason
+        if counts.get("verified", 0) < counts.get("offered", 0):
+            log.info("conversation %s: P verified %d of %d offered tokens (%s), pulled %d",
+                     key[1] if key else "-", counts.get("verified", 0), counts["offered"], reason,
+                     counts.get("pulled", 0))
 
     def _remember_affinity(self, key: tuple[str, str], name: str, tokens: int) -> None:
         self._affinity[key] = (name, tokens)

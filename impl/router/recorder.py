@@ -19,6 +19,7 @@ import logging
 from typing import Any, Callable
 
 from impl.policy import ConversationEntry
+from impl.policy.prefix_check import CHECK_KEY
 from impl.router.capture import TurnCapture, decode_params_problem
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
@@ -57,9 +58,6 @@ class TurnRecorder:
         """Store the turn now, or hand it to a background waiter; True if the waiter now owns ``notify_turn``."""
         if not capture.complete:
             self.metrics.turns_not_stored.inc("upstream_error" if capture.error else "incomplete")
-            return False
-        if capture.unreconstructable:
-            self.metrics.turns_not_stored.inc("unreconstructable")
             return False
         finished_at = self.clock()
         notification = self.hub.peek(notify_turn) if notify_turn else None
@@ -118,7 +116,16 @@ class TurnRecorder:
             self.metrics.turns_not_stored.inc("invalid_params")
             log.warning("D %s returned unusable kv_transfer_params (%s)", upstream.name, problem)
             return
-        held = turn.held_sequence(capture.answer, capture.output_token_ids)
+        if CHECK_KEY in params:
+            # P verifies token ids against D's checkpoints and pulls only what agrees: any turn can be
+            # offered, including ones whose history the router cannot reconstruct (reasoning, tool
+            # calls) or that the client or the chat template re-renders
+            held: tuple[int, str | None] | None = (0, None)
+        elif capture.unreconstructable:
+            self.metrics.turns_not_stored.inc("unreconstructable")
+            return
+        else:
+            held = turn.held_sequence(capture.answer, capture.output_token_ids)
         if held is None:
             self.metrics.turns_not_stored.inc("no_token_ids")
             return

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from impl.policy.prefix_check import CHECK_KEY, publish
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
@@ -128,6 +129,17 @@ def decode_params(num_blocks: int, remote_num_tokens: int, engine: str = "decode
             "remote_engine_id": engine, "remote_request_id": request_id, "remote_host": "127.0.0.1",
             "remote_port": 5601, "remote_num_tokens": remote_num_tokens, "tp_size": 1,
             "remote_blocks_expiry_time": None}
+
+
+def with_check(scheduler: Scheduler, params: dict[str, Any], held: list[int],
+               num_tokens: int | None = None) -> dict[str, Any]:
+    """``params`` plus the checkpoints a peer holding ``held`` publishes (its KV for the first
+    ``num_tokens``), hashed by vLLM's own block hasher under ``scheduler``'s scheme."""
+    peer = make_request(held, None)
+    n = len(held) if num_tokens is None else num_tokens
+    check = publish(peer.block_hashes, held, n, scheme=connector_scheduler(scheduler).prefix.scheme,
+                    block_size=BLOCK_SIZE)
+    return {**params, CHECK_KEY: check}
 
 
 def prefill_params(num_blocks: int, remote_num_tokens: int | None = None, engine: str = "prefill-engine",

@@ -27,6 +27,7 @@ from tests.connector.harness import (
     prefill_params,
     recv_meta,
     tokens,
+    with_check,
 )
 
 THRESHOLD = 48
@@ -97,7 +98,8 @@ def test_d_to_p_threshold_boundary_after_local_hit(model_dir, reusable, pulls):
     local_hit = (len(turn1) // BLOCK_SIZE) * BLOCK_SIZE  # 96: P's own cache, whole blocks
     prompt = turn1 + tokens(60, seed=2)
     remote = local_hit + reusable  # count = min(remote, prompt) - local_hit = reusable
-    req = make_request(prompt, decode_params(num_blocks=-(-remote // BLOCK_SIZE), remote_num_tokens=remote))
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=-(-remote // BLOCK_SIZE),
+                                                                   remote_num_tokens=remote), prompt[:remote]))
     scheduler.add_request(req)
     so = scheduler.schedule()
     cs = connector_scheduler(scheduler)
@@ -118,7 +120,8 @@ def test_declined_d_to_p_read_is_recomputed_not_stuck(model_dir):
     """D's blocks expired: P declines the read (kv_load_failure_policy "recompute") and must compute
     the prompt itself. Upstream asks the connector again and waits forever for a read never queued."""
     scheduler = prefill_node(model_dir)
-    req = make_request(tokens(150, seed=40), decode_params(num_blocks=5, remote_num_tokens=150))
+    prompt = tokens(150, seed=40)
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=5, remote_num_tokens=150), prompt))
     scheduler.add_request(req)
     so = scheduler.schedule()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -141,7 +144,8 @@ def test_declined_d_to_p_read_is_recomputed_not_stuck(model_dir):
 
 def test_d_to_p_threshold_zero_pulls_anything(model_dir):
     scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
-    req = make_request(tokens(40, seed=3), decode_params(num_blocks=1, remote_num_tokens=1))
+    prompt = tokens(40, seed=3)
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=1, remote_num_tokens=1), prompt[:1]))
     scheduler.add_request(req)
     scheduler.schedule()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == 1
@@ -172,22 +176,28 @@ def test_short_prompt_reads_the_blocks_covering_it_not_the_last_ones(model_dir):
     turn1 = tokens(70, seed=5)
     seed_prefill_cache(scheduler, turn1)  # P's local hit: 64 tokens, 2 blocks
     prompt = turn1 + tokens(80, seed=6)
-    req = make_request(prompt, decode_params(num_blocks=10, remote_num_tokens=320, first_block=100))
+    held = prompt + tokens(170, seed=60)  # D holds more than the prompt: the prompt is a prefix of it
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=10, remote_num_tokens=320,
+                                                                   first_block=100), held))
     scheduler.add_request(req)
     so = scheduler.schedule()
     meta = recv_meta(scheduler, so, req)
     local = meta.local_block_ids[0]
     remote = meta.remote.block_ids[0]
-    # P fills positions 64..150 -> its blocks 2, 3, 4 -> D's blocks 102, 103, 104 (vLLM pairs the tail)
-    assert len(local) == 3
-    assert remote == [100, 101, 102, 103, 104]
-    assert remote[-len(local):] == [102, 103, 104]  # upstream would have paired [107, 108, 109]
+    # verified: D's first 4 blocks (128 tokens); the prompt's last 22 tokens lie inside D's block 104,
+    # which holds later tokens too, so no checkpoint covers them: P recomputes them.
+    # P fills positions 64..128 -> its blocks 2, 3 -> D's blocks 102, 103 (vLLM pairs the tail)
+    assert len(local) == 2
+    assert remote == [100, 101, 102, 103]
+    assert remote[-len(local):] == [102, 103]  # upstream would have paired [108, 109]
     assert connector_scheduler(scheduler).trimmed_reads == 1
 
 
 def test_prompt_longer_than_peer_keeps_every_block(model_dir):
     scheduler = prefill_node(model_dir)
-    req = make_request(tokens(200, seed=7), decode_params(num_blocks=4, remote_num_tokens=128, first_block=100))
+    prompt = tokens(200, seed=7)
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=128,
+                                                                   first_block=100), prompt[:128]))
     scheduler.add_request(req)
     so = scheduler.schedule()
     meta = recv_meta(scheduler, so, req)
@@ -253,14 +263,17 @@ def test_break_even_policy_prices_the_pull(model_dir):
     assert isinstance(cs.recompute_policy, BreakEvenThreshold)
     crossover = cs.recompute_policy.break_even_tokens(BLOCK_SIZE, 0)
     assert crossover is not None and crossover < 4000
-    short = make_request(tokens(crossover - 1, seed=13), decode_params(num_blocks=-(-crossover // 32),
-                                                                       remote_num_tokens=crossover - 1))
+    short_prompt = tokens(crossover - 1, seed=13)
+    short = make_request(short_prompt, with_check(scheduler, decode_params(num_blocks=-(-crossover // 32),
+                                                                           remote_num_tokens=crossover - 1),
+                                                  short_prompt))
     scheduler.add_request(short)
     scheduler.schedule()
     assert short.status == RequestStatus.RUNNING
-    long = make_request(tokens(crossover + 40, seed=14), decode_params(num_blocks=-(-(crossover + 40) // 32),
-                                                                       remote_num_tokens=crossover + 40,
-                                                                       request_id="decode-req-2"))
+    long_prompt = tokens(crossover + 40, seed=14)
+    long = make_request(long_prompt, with_check(scheduler, decode_params(num_blocks=-(-(crossover + 40) // 32),
+                                                                         remote_num_tokens=crossover + 40,
+                                                                         request_id="decode-req-2"), long_prompt))
     scheduler.add_request(long)
     scheduler.schedule()
     assert long.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -436,3 +449,90 @@ def test_bad_extra_config_stops_the_engine_core_before_workers_exist(model_dir):
             make_vllm_config(model_dir, "kv_producer", {"bidikv_idle_step_sleep_s": "soon"}))
     good = make_vllm_config(model_dir, "kv_producer", {"bidirectional_kv_xfer": True})
     assert NixlConnector.get_required_kvcache_layout(good) in ("LBHNC", None)
+
+
+# -- token-exact reuse (impl.policy.prefix_check) -----------------------------------------------------
+
+def _first_read(scheduler, req):
+    """(tokens P reads from the peer, P's report) for ``req`` on a P scheduler."""
+    scheduler.add_request(req)
+    so = scheduler.schedule()
+    pulled = req.num_computed_tokens if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS else 0
+    return pulled, connector_scheduler(scheduler)._reports.get(req.request_id)
+
+
+def test_what_d_publishes_verifies_on_p_to_the_token(model_dir):
+    """D's finished turn (prompt + its output, vLLM's real block hashes) against P's next prompt."""
+    d = decode_node(model_dir)
+    prompt = tokens(64, seed=70)
+    req, params = finish_on_decode(d, 70)
+    held = list(req.all_token_ids)[:params["remote_num_tokens"]]
+    assert held[:64] == prompt  # finish_on_decode's prompt is tokens(64, seed=70)
+    check = params["bidikv_prefix_check"]
+    assert check["n"] == params["remote_num_tokens"] == 66
+    p = prefill_node(model_dir, kv_recompute_threshold=0)
+    next_prompt = held + tokens(40, seed=71)
+    pulled, report = _first_read(p, make_request(next_prompt, {**decode_params(3, 66), "bidikv_prefix_check": check}))
+    assert pulled == 66  # both full blocks and the 2-token tail
+    assert (report.offered, report.verified, report.pulled, report.reason) == (66, 66, 66, "full")
+
+
+@pytest.mark.parametrize("diverge_at", [0, 5, 31, 32, 40, 63, 64, 70, 95])
+def test_p_pulls_only_up_to_the_first_differing_token(model_dir, diverge_at):
+    """D's held ids differ from the prompt's at ``diverge_at`` (a re-tokenized or trimmed answer)."""
+    scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
+    held = tokens(100, seed=72)
+    prompt = held[:diverge_at] + [(held[diverge_at] + 1) % 90 + 3] + held[diverge_at + 1:] + tokens(30, seed=73)
+    params = with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=100), held)
+    pulled, report = _first_read(scheduler, make_request(prompt, params))
+    expected = (diverge_at // BLOCK_SIZE) * BLOCK_SIZE  # whole agreeing blocks (all checkpointed: 4 blocks < dense)
+    assert pulled == expected
+    assert (report.offered, report.verified, report.reason) == (100, expected, "partial")
+
+
+def test_unverifiable_params_are_refused_unless_the_operator_trusts_them(model_dir):
+    prompt = tokens(100, seed=74)
+    strict = prefill_node(model_dir, kv_recompute_threshold=0)
+    pulled, report = _first_read(strict, make_request(prompt, decode_params(num_blocks=3, remote_num_tokens=96)))
+    assert pulled == 0 and report.reason == "no_check" and report.verified == 0
+    trusting = prefill_node(model_dir, kv_recompute_threshold=0, bidikv_require_verified_prefix=False)
+    pulled, report = _first_read(trusting, make_request(prompt, decode_params(num_blocks=3, remote_num_tokens=96)))
+    assert pulled == 96 and report.reason == "unverified"
+
+
+def test_a_peer_hashing_differently_is_refused(model_dir):
+    scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
+    prompt = tokens(100, seed=75)
+    params = with_check(scheduler, decode_params(num_blocks=3, remote_num_tokens=96), prompt[:96])
+    params["bidikv_prefix_check"] = {**params["bidikv_prefix_check"], "scheme": "0" * 16}  # another model / seed
+    pulled, report = _first_read(scheduler, make_request(prompt, params))
+    assert pulled == 0 and report.reason == "scheme"
+
+
+def test_ps_report_reaches_its_returned_params_and_its_counters(model_dir):
+    scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
+    held = tokens(100, seed=76)
+    prompt = held[:50] + [1] + held[51:] + tokens(20, seed=77)  # differs at 50: one block verifies
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=100), held))
+    scheduler.add_request(req)
+    params = run(scheduler, req)
+    assert params["bidikv_reuse"] == {"path": "d_to_p", "offered": 100, "verified": 32, "pulled": 32,
+                                      "reason": "partial"}
+    # and P publishes what it now holds for D's read (the P->D path verifies it the same way)
+    assert params["bidikv_prefix_check"]["n"] == len(prompt)
+    counted = connector_scheduler(scheduler).prefix.tokens
+    assert counted[("d_to_p", "offered")] == 100 and counted[("d_to_p", "verified")] == 32
+    assert counted[("d_to_p", "refused:partial")] == 68
+
+
+def test_d_verifies_ps_prefix_on_the_ordinary_path(model_dir):
+    """P->D: P's published prompt check against D's prompt; a different D prompt pulls only what agrees."""
+    d = decode_node(model_dir, kv_recompute_threshold=0)
+    prompt = tokens(100, seed=78)
+    ps_prompt = prompt[:40] + [2] + prompt[41:]
+    params = with_check(d, prefill_params(num_blocks=4, remote_num_tokens=100), ps_prompt)
+    req = make_request(prompt, params, max_tokens=2)
+    d.add_request(req)
+    d.schedule()
+    assert req.num_computed_tokens == 32  # one agreeing block; D computes the rest itself
+    assert connector_scheduler(d)._reports[req.request_id].reason == "partial"
