@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
 from sim.cluster import Cluster
@@ -19,7 +20,8 @@ PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")
 def conversations(draw, max_convs=6):
     convs = []
     for c in range(draw(st.integers(1, max_convs))):
-        ctx = draw(st.integers(16, 3000))
+        # sometimes far more context than a small decode pool holds: those turns must be rejected
+        ctx = draw(st.integers(16, 3000)) if draw(st.integers(0, 5)) else draw(st.integers(4000, 9000))
         turns = []
         revision = 0
         for t in range(draw(st.integers(1, 5))):
@@ -27,11 +29,19 @@ def conversations(draw, max_convs=6):
             if t and draw(st.integers(0, 9)) == 0:
                 revision += 1  # the client rewrote its history
             out = draw(st.integers(1, 400))
-            gap = draw(st.sampled_from([0.0, 1.0, 30.0, 200.0, 700.0]))
+            # plain gaps, and gaps that bring the next turn just inside the margin edge of a 60 s or 480 s
+            # TTL or a 10 s / 30 s lease (edge = expiry - 5 s): P's queueing then carries the read's start
+            # across the edge, where D must decline it
+            gap = draw(st.sampled_from([0.0, 1.0, 30.0, 200.0, 700.0, 4.8, 24.8, 54.8, 54.95, 474.8, 474.95]))
             turns.append(Turn(ctx, out, gap_before_s=gap if t else 0.0, history_revision=revision))
             ctx += out
-        convs.append(Conversation(f"c{c}", draw(st.sampled_from([0.0, 5.0, 50.0])), tuple(turns), 64,
-                                  tenant=draw(st.sampled_from(["a", "b"]))))
+        tenant = draw(st.sampled_from(["a", "b"]))
+        convs.append(Conversation(f"c{c}", draw(st.sampled_from([0.0, 5.0, 50.0])), tuple(turns), 64, tenant=tenant))
+        if draw(st.integers(0, 2)) == 0:
+            # the same conversation id under the other tenant: another conversation, never its KV
+            twin = tuple(dataclasses.replace(turn, history_revision=turn.history_revision + 100) for turn in turns)
+            convs.append(Conversation(f"c{c}", draw(st.sampled_from([0.0, 5.0, 50.0])), twin, 64,
+                                      tenant="b" if tenant == "a" else "a"))
     return convs
 
 
@@ -47,7 +57,14 @@ def configs(draw):
     p.bidirectional = draw(st.booleans())
     p.prefix_caching = draw(st.booleans())
     p.kv_recompute_threshold = draw(st.sampled_from([0, 64, 1000]))
-    p.retention = draw(st.sampled_from(["ttl", "lease", "gap_quantile"]))
+    p.retention = draw(st.sampled_from(["ttl", "lease", "gap_quantile", "oracle"]))
+    if p.retention == "lease":
+        p.lease_s = draw(st.sampled_from([10.0, 30.0, 240.0]))
+        p.heartbeat_interval_s = p.lease_s * draw(st.sampled_from([0.3, 0.9]))
+        p.lease_max_hold_s = draw(st.sampled_from([60.0, 3600.0]))
+    if p.retention == "gap_quantile":
+        p.gap_quantile = draw(st.sampled_from([0.5, 0.9]))
+        p.gap_ttl_cap_s = draw(st.sampled_from([60.0, 900.0]))
     p.decoder_kv_blocks_ttl = draw(st.sampled_from([0.0, 60.0, 480.0, math.inf]))
     p.placement = draw(st.sampled_from(["round_robin", "least_loaded", "kv_aware"]))
     return cfg.validate()
@@ -58,47 +75,126 @@ def run(cfg, convs):
     return cluster, cluster.run(convs)
 
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class Reads:
+    """Watches the real decode nodes of a cluster (wrapping, never replacing, their methods): every
+    retention decision (``_retain``: finish time, expiry, the policy's TTL then), every heartbeat that
+    reached D (``renew``), every read P asked for (``begin_read``: its start and D's answer)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.retains: dict[tuple, list[tuple[float, float, float | None]]] = collections.defaultdict(list)
+        self.renewals: dict[tuple, list[tuple[float, float | None]]] = collections.defaultdict(list)
+        self.reads: list[tuple[str, tuple, float, str]] = []
+        for d in cluster.decode:
+            self._watch(d)
+
+    def _watch(self, d) -> None:
+        retain, renew, begin_read = d._retain, d.renew, d.begin_read
+
+        def watched_retain(key, tokens, revision, blocks, now, expires_at):
+            self.retains[(d.name, key)].append((now, expires_at, getattr(d.retention, "ttl_s", None)))
+            return retain(key, tokens, revision, blocks, now, expires_at)
+
+        def watched_renew(key, now):
+            renewed = renew(key, now)
+            self.renewals[(d.name, key)].append((now, renewed))
+            return renewed
+
+        def watched_begin_read(key, revision, now):
+            refusal = begin_read(key, revision, now)
+            self.reads.append((d.name, key, now, refusal))
+            return refusal
+
+        d._retain, d.renew, d.begin_read = watched_retain, watched_renew, watched_begin_read
+
+
+def check_no_read_after_expiry(cfg, reads: Reads) -> None:
+    """3. P reads retained blocks only before their expiry minus the margin, at the read's start, for
+    every retention policy: against the expiry D recorded and against the policy's own bound."""
+    p = cfg.policy
+    margin = p.expiry_margin_s
+    for node, key, start, refusal in reads.reads:
+        if refusal:
+            continue
+        finished = [r for r in reads.retains[(node, key)] if r[0] <= start]
+        assert finished, f"read of {key} on {node} at {start} with no retained turn before it"
+        f, expiry, ttl_then = finished[-1]
+        beats = [(t, e) for t, e in reads.renewals[(node, key)] if f <= t <= start]
+        in_force = max([expiry] + [e for _, e in beats if e is not None])
+        assert start < in_force - margin, (key, start, in_force)
+        if p.retention == "ttl":
+            bound = f + p.decoder_kv_blocks_ttl
+        elif p.retention == "lease":
+            last_beat = max([f] + [t for t, _ in beats])
+            bound = max(f + p.lease_s, min(last_beat + p.lease_s, f + p.lease_max_hold_s))
+        elif p.retention == "gap_quantile":
+            assert ttl_then <= p.gap_ttl_cap_s
+            bound = f + ttl_then
+        else:  # oracle: until the next turn's arrival, plus the margin P needs
+            bound = expiry
+        assert start < bound - margin, (p.retention, key, start, bound)
+
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
 @given(cfg=configs(), convs=conversations())
 def test_invariants_hold(cfg, convs):
-    cluster, result = run(cfg, convs)
+    cluster = Cluster(cfg, PROFILE)
+    reads = Reads(cluster)
+    result = cluster.run(convs)
     recs = result.records
-    # 1. every turn completes exactly once or is reported rejected
-    keys = [(r.conversation, r.turn) for r in recs]
+    # 1. every turn completes exactly once or is reported rejected (a conversation is tenant + id)
+    keys = [(r.tenant, r.conversation, r.turn) for r in recs]
     assert len(keys) == len(set(keys)) == sum(len(c.turns) for c in convs)
     for r in recs:
         assert r.rejected or (math.isfinite(r.completion_s) and math.isfinite(r.ttft_s))
     # no time limit here: everything that fits must finish; a sequence may be rejected only when its
-    # full context (prompt + answer) needs more blocks than one decode instance has
+    # full context (prompt + answer) needs more blocks than one decode instance has -- and then must be
     capacity_tokens = cfg.topology.decode_kv_blocks * PROFILE.block_size
     for r in recs:
         assert not r.rejected or r.prompt_tokens + r.output_tokens > capacity_tokens, (r.rejected, r)
+        if r.prompt_tokens > capacity_tokens:
+            assert r.rejected, r  # a prompt that cannot fit is refused, not left hanging or squeezed in
     for d in cluster.decode:
         # 2. blocks conserved: nothing in flight at the end, the rest retained or cached
         assert d.running_blocks == d.arriving_blocks == d.reading_blocks == 0
         assert d.used_blocks == d.retained.blocks + d.cached_blocks
         # 4. decode usage never exceeded capacity (checked at every allocation, recorded as the peak)
         assert d.totals.peak_used_blocks <= d.capacity
-    by_key = {(r.conversation, r.turn): r for r in recs}
+    by_key = {(r.tenant, r.conversation, r.turn): r for r in recs}
+    conv_of = {(c.tenant, c.conversation_id): c for c in convs}
+    # 3. no block is read after its expiry, whatever the retention policy, at the read's start
+    check_no_read_after_expiry(cfg, reads)
+    granted = collections.defaultdict(list)
+    for node, key, start, refusal in reads.reads:
+        if not refusal:
+            granted[key].append(start)
     for r in recs:
-        # 5. TTFT covers the prefill (compute + pull) and the P->D transfer
-        assert r.ttft_s + 1e-9 >= r.prefill_s + r.p2d_transfer_s
+        # 5. TTFT covers the prefill (compute + pull) and the P->D transfer (a rejected turn has none)
+        assert r.rejected or r.ttft_s + 1e-9 >= r.prefill_s + r.p2d_transfer_s
         assert r.reused_tokens + r.recomputed_tokens + r.p_local_hit_tokens == r.prompt_tokens
         if r.reused_tokens:
             # 6. no D->P transfer with bidirectional OFF
             assert cfg.policy.bidirectional and r.turn > 0
-            prev = by_key[(r.conversation, r.turn - 1)]
-            # 3. no block is read after its expiry (fixed TTL: expiry = previous finish + TTL; P pulls on arrival)
-            if cfg.policy.retention == "ttl":
-                assert r.arrival_s < prev.completion_s + cfg.policy.decoder_kv_blocks_ttl - cfg.policy.expiry_margin_s
-            # never serve KV of a rewritten history
-            conv = next(c for c in convs if c.conversation_id == r.conversation)
+            # the read was of this tenant's conversation, started after the turn arrived, before its first token
+            starts = granted[(r.tenant, r.conversation)]
+            assert any(r.arrival_s <= t and (r.rejected or t <= r.arrival_s + r.ttft_s) for t in starts), (r, starts)
+            # never serve KV of a rewritten history (nor of the same id under another tenant)
+            conv = conv_of[(r.tenant, r.conversation)]
             assert conv.turns[r.turn].history_revision == conv.turns[r.turn - 1].history_revision
+            assert not by_key[(r.tenant, r.conversation, r.turn - 1)].rejected
         else:
             assert r.d2p_transfer_s == 0
+    # every granted read shows up as exactly one reusing turn
+    assert sum(len(v) for v in granted.values()) == sum(1 for r in recs if r.reused_tokens)
+    # what the examples reached (--hypothesis-show-statistics)
+    event(f"{cfg.policy.retention}: {'reads' if granted else 'no reads'}")
+    event(f"declined reads: {sorted({refusal for *_, refusal in reads.reads if refusal})}")
+    if any(r.rejected for r in recs):
+        event("rejections")
+    if len({(c.tenant, c.conversation_id) for c in convs}) > len({c.conversation_id for c in convs}):
+        event("one id under two tenants")
 
 
 @SETTINGS
@@ -138,3 +234,24 @@ def test_pressure_drops_retained_and_preempts_but_never_overflows():
     assert d.totals.peak_used_blocks <= 400
     dropped = [r for r in result.records if r.turn == 1 and r.miss_reason == "dropped_under_pressure"]
     assert dropped and all(r.reused_tokens == 0 for r in dropped)
+
+
+def test_turns_that_cannot_fit_one_decode_instance_are_rejected_and_the_rest_complete():
+    cfg = SimConfig()
+    cfg.topology.decode_kv_blocks = 300
+    capacity = 300 * PROFILE.block_size
+    convs = [
+        Conversation("too-long-prompt", 0.0, (Turn(capacity + 1, 10),), 0),
+        Conversation("outgrows", 0.0, (Turn(capacity - 100, 400),), 0),
+        # the same id under another tenant: its own conversation, unaffected by the other's rejection
+        Conversation("outgrows", 0.0, (Turn(500, 50), Turn(700, 50, gap_before_s=1.0)), 0, tenant="other"),
+    ]
+    _, result = run(cfg.validate(), convs)
+    by = {(r.tenant, r.conversation, r.turn): r for r in result.records}
+    assert len(by) == 4
+    assert by[("default", "too-long-prompt", 0)].rejected == "prompt exceeds the decode instance's KV capacity"
+    assert by[("default", "outgrows", 0)].rejected == "sequence outgrew the decode instance's KV capacity"
+    for turn in (0, 1):
+        r = by[("other", "outgrows", turn)]
+        assert not r.rejected and math.isfinite(r.completion_s)
+    assert by[("other", "outgrows", 1)].reused_tokens > 0  # its own previous turn, pulled from D
