@@ -49,6 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from impl.router.config import RouterConfig, url_host
+from impl.router.connections import BodyTimeout, ClientConnections, GuardedTCPSite, raise_fd_limit
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
@@ -82,6 +83,10 @@ class Router:
         # the in-process store itself, for admin views and tests (None when the store is shared)
         self.store = self.conversations.store if isinstance(self.conversations, MemoryStore) else None
         self.hub = NotifyHub()
+        self.connections = ClientConnections(config.client_header_timeout_s, config.client_body_timeout_s,
+                                             config.client_idle_timeout_s, config.max_client_connections,
+                                             on_close=self.metrics.client_closed.inc)
+        self.metrics.client_connections.read = lambda: {(): float(len(self.connections.live))}
         self.heartbeats = HeartbeatRelay(config, tenants, self.conversations, self.metrics)
         rng = random.Random(config.seed)
         self.prefill = UpstreamPool("prefill", config.prefill, make_placement(config.placement), rng)
@@ -144,7 +149,7 @@ class Router:
             if tenant is None:
                 response = unauthenticated_response()
             else:
-                body = parse_json_body(await request.read())
+                body = parse_json_body(await self.connections.read_body(request))
                 turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len,
                                   header_session_id=request.headers.get("X-Session-ID"))
                 if self.config.tenant_cache_salt and not self.tenants.open:
@@ -154,6 +159,8 @@ class Router:
             response = error_response(e.status, e.message, "invalid_request_error", e.field)
         except web.HTTPRequestEntityTooLarge:
             response = body_too_large_response(self.config.max_body_bytes)
+        except BodyTimeout:
+            response = self.connections.body_timeout_response()
         except Exception:
             log.exception("unhandled error on %s", route)
             response = error_response(500, "internal router error", "internal_error")
@@ -214,12 +221,14 @@ class Router:
         if request.content_length is not None and request.content_length > MAX_NOTIFY_BODY_BYTES:
             return self._notify_result("too_large", error_response(413, "notification too large", "invalid_request_error", "body"))
         try:
-            raw = await request.read()
+            raw = await self.connections.read_body(request)
             if len(raw) > MAX_NOTIFY_BODY_BYTES:
                 raise web.HTTPRequestEntityTooLarge(max_size=MAX_NOTIFY_BODY_BYTES, actual_size=len(raw))
             turn, token, notification = parse_notification(parse_json_body(raw))
         except web.HTTPRequestEntityTooLarge:
             return self._notify_result("too_large", error_response(413, "notification too large", "invalid_request_error", "body"))
+        except BodyTimeout:
+            return self._notify_result("body_timeout", self.connections.body_timeout_response())
         except (RequestError, NotifyError) as e:
             return self._notify_result("malformed", error_response(400, str(e), "invalid_request_error", e.field))
         result = self.hub.deliver(turn, token, notification)
@@ -265,7 +274,7 @@ def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Map
     if tenants is None:
         tenants = Tenants.load(config.api_keys_file, config.api_keys_env, environ)
     router = Router(config, tenants, environ)
-    app = web.Application(client_max_size=config.max_body_bytes)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[router.connections.middleware])
     app[ROUTER_KEY] = router
     app.router.add_post("/v1/chat/completions", router.chat_completions)
     app.router.add_post("/v1/completions", router.completions)
@@ -286,20 +295,26 @@ def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Map
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving ``app``; returns the runner and the bound port (``port=0`` picks one)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    router: Router = app[ROUTER_KEY]
+    config = router.config
+    # aiohttp's own keep-alive close is only a backstop behind ClientConnections' clocks
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=config.client_idle_timeout_s + config.client_header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    site = GuardedTCPSite(runner, host, port, router.connections, backlog=2048)
     await site.start()
-    bound = port
-    server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        bound = server.sockets[0].getsockname()[1]
+    bound = site.port
     app[ROUTER_KEY].set_bound_port(host, bound)
     return runner, bound
 
 
 async def serve(config: RouterConfig, ready: Callable[[int], Awaitable[None] | None] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or cancellation), then drain and close upstream connections."""
+    # each client connection is a descriptor, and so is each upstream connection and the listener
+    needed = config.max_client_connections + 1024
+    if raise_fd_limit(needed) < needed:
+        log.warning("file-descriptor limit below %d: max_client_connections=%d may not all be served",
+                    needed, config.max_client_connections)
     app = build_app(config)
     runner, port = await start_site(app, config.host, config.port)
     # Everything allocated so far (modules, aiohttp's tables, the app) lives as long as the process:

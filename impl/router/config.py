@@ -36,6 +36,17 @@ class RouterConfig:
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)
     max_body_bytes: int = 8 * 1024 * 1024
+    # Client connections (impl.router.connections says why each exists). A head is a few hundred
+    # bytes: 10 s is generous on any link and bounds a slowloris head. 30 s for the whole body: a
+    # chat request is KBs; the 8 MB maximum needs ~2.2 Mbit/s to make it. Idle keep-alive 30 s:
+    # longer than common client pools keep idle connections (httpx 5 s, aiohttp 15 s), so the router
+    # does not close one a client is about to reuse, short enough that idle sockets do not pile up.
+    # 4096 connections: twice the issue's 2,000-idle flood plus headroom; the soft fd limit is raised
+    # to fit (and a warning logged if the hard limit does not allow it).
+    client_header_timeout_s: float = 10.0
+    client_body_timeout_s: float = 30.0
+    client_idle_timeout_s: float = 30.0
+    max_client_connections: int = 4096
     max_conversation_id_len: int = 256
     placement: str = "round_robin"
     seed: int = 0  # placement tie-breaking
@@ -76,6 +87,12 @@ class RouterConfig:
         for name in ("max_conversations", "max_body_bytes", "max_conversation_id_len", "health_failures_to_down"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_client_connections < 1:
+            raise ValueError(f"max_client_connections must be >= 1, got {self.max_client_connections}")
+        for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.upstream_max_connections < 0:
             raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
@@ -114,6 +131,14 @@ FLAG_HELP: dict[str, str] = {
     "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
     "max_conversations": "conversation store bound (LRU eviction beyond it)",
     "max_body_bytes": "largest request body accepted (413 beyond it)",
+    "client_header_timeout_s": "a client must send a whole request head within this many seconds of connecting "
+                               "(or of the first byte of its next request); then 408 and close. Bounds slowloris",
+    "client_body_timeout_s": "a client must send its whole request body within this many seconds of its head; "
+                             "then 408 and close",
+    "client_idle_timeout_s": "a kept-alive client connection with no new request is closed after this; keep it above "
+                             "your clients' own pool idle timeout",
+    "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
+                              "file-descriptor limit is raised to fit)",
     "max_conversation_id_len": "longest conversation_id accepted",
     "placement": "how P and D instances are chosen",
     "seed": "seed of placement tie-breaking",
