@@ -16,8 +16,9 @@ The scheme, compact enough to ride in ``kv_transfer_params`` every turn:
   digest also covers a *scheme* tag (hash algorithm, seed, block size, model), so peers that would
   hash differently never agree by accident: they disagree and nothing is pulled.
 * Checkpoints are dense at the end of what the holder has (the last ``dense`` blocks) and geometric
-  further back, and geometric forward from *anchors* (the holder's prompt end: a previous answer
-  drifts a few tokens in, not at a random place). A digest over the partial last block (the *tail*)
+  further back, and geometric both ways from *anchors* (the holder's prompt end: a previous answer
+  drifts a few tokens in, and a template that re-renders it, e.g. drops a reasoning opener the
+  generation prompt added, differs just before it). A digest over the partial last block (the *tail*)
   makes an undiverged continuation verify to the token.
 * The reader computes the same digests over its prompt (a dozen hashes of vLLM's existing block
   hashes: constant work per turn, see ``benchmarks/prefix_check_cost.py``) and takes the longest
@@ -27,7 +28,8 @@ The scheme, compact enough to ride in ``kv_transfer_params`` every turn:
 What a sparse scheme can lose (:func:`lost_blocks_bound`): with ``n`` blocks held and the first
 disagreeing block at index ``d`` (so ``d`` blocks agree), the reader verifies ``c <= d`` blocks with
 ``d - c <= max(0, n - d - dense)``; and when ``d`` lies at or after an anchor ``a``,
-``2 * (d - c) < d - a`` (at least half of what agrees past the anchor is kept) or ``c == d``.
+``2 * (d - c) < d - a`` (at least half of what agrees past the anchor is kept) or ``c == d``; when
+``d`` lies before an anchor, ``d - c < a - d``. Checkpoints number at most ``dense + 3 log2(n) + 4``.
 
 Pure: standard library only, no I/O.
 """
@@ -106,8 +108,11 @@ def checkpoint_blocks(num_blocks: int, anchors: Iterable[int] = (), dense: int =
         if 1 <= anchor <= num_blocks:
             points.add(anchor)
             step = 1
-            while anchor + step < num_blocks:
-                points.add(anchor + step)
+            while anchor + step < num_blocks or anchor - step >= 1:
+                if anchor + step < num_blocks:
+                    points.add(anchor + step)
+                if anchor - step >= 1:
+                    points.add(anchor - step)
                 step *= 2
     return sorted(points, reverse=True)
 
@@ -129,6 +134,8 @@ def lost_blocks_bound(num_blocks: int, agreeing_blocks: int, anchors: Iterable[i
     for anchor in anchors:
         if 1 <= anchor <= d:
             bound = min(bound, max(0, (d - anchor - 1) // 2))
+        elif d < anchor <= num_blocks:
+            bound = min(bound, max(0, anchor - d - 1))
     return bound
 
 
