@@ -30,6 +30,20 @@ busy, 504 D timed out, 502 D answered nonsense -- in all three the entry is left
 
 Separate from the turn path on purpose: its own small aiohttp session (D's listener is another port,
 one request per connection), and nothing here runs for completions.
+
+Which client behaviour a caller implements (the simulator's names, ``sim/clients.py``; ``bidikv tune
+--client-renewal`` recommends for one; examples in the README's router section):
+
+* ``while_open`` -- a chat UI that heartbeats while its page is open, or an API client while its
+  session object lives: after every reply, whether or not the user writes again. Browsers throttle
+  a hidden tab's repeating timers to once a minute after five minutes
+  (https://chromestatus.com/feature/4718288976216064), so a chat UI's lease must outlast a minute
+  plus one interval or its background tabs lapse.
+* ``tool_calls`` -- an agent framework that heartbeats only while a tool call it made runs, and
+  stops once the model answers the user.
+* ``never`` -- a client that never calls this endpoint: D's lease is then a fixed TTL of ``lease_s``.
+* ``until_next_turn`` -- heartbeats exactly until the next turn: no client knows that; the simulator
+  keeps it only as an upper bound.
 """
 
 from __future__ import annotations
