@@ -161,6 +161,13 @@ class Router:
             response = body_too_large_response(self.config.max_body_bytes)
         except BodyTimeout:
             response = self.connections.body_timeout_response()
+        except ConnectionResetError:
+            # the client left (mid-body, usually): its doing, not ours; nobody is there to read an answer
+            log.debug("client went away on %s", route)
+            response = web.Response(status=499)  # nginx's "client closed request", for the count
+        except RecursionError:
+            # only a client's deeply nested JSON recurses this far; parse_json_body's bound should stop it first
+            response = error_response(400, "JSON nested too deeply", "invalid_request_error", "body")
         except Exception:
             log.exception("unhandled error on %s", route)
             response = error_response(500, "internal router error", "internal_error")

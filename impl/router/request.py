@@ -22,6 +22,8 @@ The prompt view -- what the continuation guard compares -- depends on what the p
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +32,13 @@ from impl.policy.text_prompt import TextPrompt
 
 Endpoint = Literal["chat", "completion"]
 MAX_TOKEN_ID = 2**31 - 1
+# Deepest JSON nesting accepted, enforced before decoding. Real requests stay far below (a tool's
+# JSON schema: ~10-20 levels); anything near Python's recursion limit (1,000 frames, shared with
+# the router's own calls) would make json.dumps or the guard raise RecursionError later on.
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
 
 
 class RequestError(Exception):
@@ -68,13 +77,46 @@ class TurnRequest:
         return None
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
+def _too_deep(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` nests arrays/objects deeper than ``limit``, without decoding it."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # the common case: too few brackets to get there
+    skeleton = _JSON_STRING.sub(b"", raw).translate(_CURLY_TO_SQUARE, _NOT_BRACKETS)
+    # each pass removes exactly the innermost level (pairs that become adjacent only do next pass)
+    for _ in range(limit):
+        shorter = skeleton.replace(b"[]", b"")
+        if len(shorter) == len(skeleton):
+            return False  # nothing left, or unbalanced: the decoder reports that
+        skeleton = shorter
+    return b"[]" in skeleton
+
+
+class _NotJSONNumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> float:
+    raise _NotJSONNumber(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: valid JSON grammar, but re-encoded upstream it is "Infinity"
+        raise _NotJSONNumber(f"{text} is beyond the float range")
+    return value
+
+
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    if _too_deep(raw, max_depth):
+        raise RequestError("body", f"JSON nested deeper than {max_depth} levels")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
         raise RequestError("body", "must be UTF-8 JSON") from None
     except RecursionError:
         raise RequestError("body", "JSON nested too deeply") from None
+    except _NotJSONNumber as e:
+        raise RequestError("body", f"invalid JSON ({e})") from None
     except ValueError as e:  # JSONDecodeError, or an integer beyond Python's digit limit
         raise RequestError("body", f"invalid JSON ({type(e).__name__})") from None
     if not isinstance(body, dict):
