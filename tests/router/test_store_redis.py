@@ -344,3 +344,45 @@ async def test_redis_down_raises_store_unavailable_logged_once_and_recovers(capl
 def test_member_names_are_unambiguous():
     assert member("ab", "c") != member("a", "bc")
     assert member("a", "b:c") == b"1:ab:c"
+
+
+# -- configuration -----------------------------------------------------------------------------------
+async def test_the_password_comes_from_the_url_or_the_environment():
+    server = RedisServer(password="s3cret").start()
+    try:
+        from impl.router.config import RouterConfig
+        from impl.router.stores import open_store
+
+        base = {"prefill": ("http://p:1",), "decode": ("http://d:1",), "store_prefix": unique_prefix()}
+        cases = [({"store": server.url}, {"BIDIKV_STORE_PASSWORD": "s3cret"}, True),
+                 ({"store": f"redis://:s3cret@127.0.0.1:{server.port}/0"}, {}, True),
+                 ({"store": server.url}, {}, False),
+                 ({"store": server.url, "store_password_env": "OTHER"}, {"OTHER": "wrong"}, False)]
+        for overrides, environ, works in cases:
+            store = open_store(RouterConfig(**base, **overrides), environ)
+            if works:
+                await store.record_success("t", "c", entry([1], time.monotonic() + 100), time.monotonic())
+                assert (await store.get("t", "c")) is not None
+            else:
+                with pytest.raises(StoreUnavailable):
+                    await store.record_success("t", "c", entry([1], time.monotonic() + 100), time.monotonic())
+            await store.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("url, says", [
+    ("foo://h:1/0", "--store must be 'memory' or a redis://"),
+    ("redis://h:notaport/0", "--store: not a valid URL"),
+    ("redis://:pw@h:1/db", "--store: the database must be a number"),
+    ("redis:///0", "--store: the URL needs a host"),
+])
+def test_a_bad_store_url_is_one_clear_error_naming_the_flag(url, says):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "impl.router", "--prefill", "http://p:1", "--decode", "http://d:1",
+                          "--store", url], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+    assert "pw" not in out.stderr  # a password in the URL is never echoed
