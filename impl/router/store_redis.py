@@ -222,17 +222,19 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, **kwargs: Any) -> "RedisStore":
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         from urllib.parse import urlsplit
         extra: dict[str, Any] = {}
         if password and not urlsplit(url).password:
             extra["password"] = password
-        # one immediate retry on a fresh connection: a pooled connection to a Redis that restarted
-        # fails once and then works; more retries would only add timeouts while it is really down
+        # one immediate retry on a fresh connection after a connection error: a pooled connection to a
+        # Redis that restarted fails once and then works. Never after a timeout: a turn would wait
+        # timeout_s twice for a Redis that is stuck
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 1), **extra)
+                                         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **extra)
         parts = urlsplit(url)
         return cls(client, name=f"{parts.scheme}://{parts.hostname or ''}:{parts.port or ''}{parts.path}", **kwargs)
 

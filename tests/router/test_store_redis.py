@@ -386,3 +386,39 @@ def test_a_bad_store_url_is_one_clear_error_naming_the_flag(url, says):
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
     assert "pw" not in out.stderr  # a password in the URL is never echoed
+
+
+async def test_a_stuck_redis_costs_one_timeout_then_calls_fail_fast_until_it_answers():
+    """SIGSTOP: the server accepts nothing and answers nothing, as a hung Redis does."""
+    import os
+    import signal
+
+    server = RedisServer().start()
+    store = RedisStore.from_url(server.url, prefix=unique_prefix(), timeout_s=0.3, retry_s=0.5)
+    try:
+        now = time.monotonic()
+        await store.record_success("t", "c", entry([1], now + 100), now=now)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.lookup("t", "c", ItemsPrompt([1, 2]), time.monotonic())
+        assert 0.25 <= time.monotonic() - t0  # waited for the timeout (once: no retry after a timeout)
+        t1 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.lookup("t", "c", ItemsPrompt([1, 2]), time.monotonic())
+        assert time.monotonic() - t1 < 0.25  # within retry_s: refused at once, no second timeout
+        os.kill(server.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                got = await store.lookup("t", "c", ItemsPrompt([1, 2]), time.monotonic())
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert got.hit  # nothing was lost: the server was only stuck
+    finally:
+        if server.proc is not None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await store.close()
+        server.close()
