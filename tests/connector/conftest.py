@@ -1,5 +1,6 @@
-"""Fixtures of impl.connector's tests. The scheduler/worker tests need vLLM (0.32 here, 0.33 via
-tools/test_connector_vllm033.sh) and skip without it; the config, notification and compat tests are pure."""
+"""Fixtures of impl.connector's tests. The scheduler/worker tests need vLLM (0.32 here; 0.33 through
+tests/connector/test_vllm033.py) and NIXL, both part of the test setup: missing is a failure, not a skip.
+The config, notification and compat tests are pure."""
 
 from __future__ import annotations
 

@@ -1,76 +1,70 @@
-"""Worker side: the NIXL agent vLLM builds gets our threading settings (NIXL faked at the agent)."""
+"""Worker side: the NIXL agent vLLM builds gets our threading settings -- on real NIXL.
+
+Every agent here is a real ``nixl._api.nixl_agent`` with its UCX backend (no bytes move). What the
+agent was built with is read back from the agent itself where NIXL exposes it (the UCX backend's
+``num_threads``) and otherwise (``useProgThread``, ``pthrDelay``, which NIXL passes to its compiled
+``nixlAgent`` and never exposes) by :class:`BindingsWatch`, which wraps -- does not replace -- the
+compiled bindings' ``nixlAgent`` constructor and records the real config struct's fields on the way in.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-import vllm  # noqa: F401  (part of the test setup: a missing vLLM is a failure, not a skip)
-
+import nixl._api as nixl_api  # part of the test setup (the 'impl' extra): missing is a failure, not a skip
+import vllm  # noqa: F401  (same)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: E402
 
 from impl.connector.worker import agent_config_factory, patched_agent_config  # noqa: E402
 
 
-class FakeNixlAgentConfig:
-    """Stands in for nixl._api.nixl_agent_config: records how vLLM configured the agent."""
+class BindingsWatch:
+    """Records (useProgThread, pthrDelay) of every agent the compiled bindings create, then creates it."""
 
-    def __init__(self, enable_prog_thread=True, enable_listen_thread=False, capture_telemetry=False, num_threads=0,
-                 backends=("UCX",)):
-        self.enable_prog_thread = enable_prog_thread
-        self.num_threads = num_threads
-        self.capture_telemetry = capture_telemetry
-        self.backends = list(backends)
+    def __init__(self, monkeypatch) -> None:
+        self.created: list[tuple[bool, int]] = []
+        real = nixl_api.nixlBind.nixlAgent
 
+        def nixlAgent(name, agent_config):  # noqa: N802 - the bindings' name
+            self.created.append((agent_config.useProgThread, agent_config.pthrDelay))
+            return real(name, agent_config)
 
-class FakeBindingsAgentConfig:
-    """Stands in for the compiled nixlBind.nixlAgentConfig struct."""
-
-    pthrDelay = 0
+        monkeypatch.setattr(nixl_api.nixlBind, "nixlAgent", nixlAgent)
+        self.installed = nixlAgent
 
 
-class nixlBind:  # noqa: N801 - the name NIXL's Python API module gives its compiled bindings
-    """Stands in for NIXL's compiled bindings: records the agent config the agent is created with."""
-
-    created: list = []
-
-    @staticmethod
-    def nixlAgent(name, agent_config):  # noqa: N802
-        nixlBind.created.append(agent_config)
-        return object()
+@pytest.fixture
+def bindings(monkeypatch) -> BindingsWatch:
+    return BindingsWatch(monkeypatch)
 
 
-class FakeNixlWrapper:
-    """Stands in for nixl._api.nixl_agent: like NIXL's, builds the bindings' agent config with
-    ``pthrDelay = 0`` and creates the agent through ``nixlBind.nixlAgent``; moves no bytes."""
-
-    built: list = []
-
-    def __init__(self, name, config):
-        self.name = name
-        self.config = config
-        agent_config = FakeBindingsAgentConfig()
-        agent_config.useProgThread = config.enable_prog_thread
-        agent_config.pthrDelay = 0
-        self.agent = nixlBind.nixlAgent(name, agent_config)
-        self.agent_config = agent_config
-        type(self).built.append(self)
+def ucx_threads(agent) -> int:
+    return int(agent.get_backend_params("UCX").get("num_threads", 0))
 
 
 def test_overrides_replace_what_vllm_passes():
-    factory = agent_config_factory(FakeNixlAgentConfig, {"enable_prog_thread": False, "num_threads": 1})
+    factory = agent_config_factory(nixl_api.nixl_agent_config, {"enable_prog_thread": False, "num_threads": 1})
     config = factory(num_threads=4, capture_telemetry=True)  # vLLM 0.32's call
-    assert config.enable_prog_thread is False and config.num_threads == 1 and config.capture_telemetry is True
+    assert isinstance(config, nixl_api.nixl_agent_config)
+    assert config.enable_pthread is False and config.num_threads == 1 and config.capture_telemetry is True
 
 
-def test_patch_is_scoped_to_the_worker_construction(monkeypatch):
-    monkeypatch.setattr(base_worker, "nixl_agent_config", FakeNixlAgentConfig)
-    original_agent = nixlBind.nixlAgent
-    with patched_agent_config({"enable_prog_thread": False}, progress_delay_us=250):
-        inside = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
-        wrapper = FakeNixlWrapper("a", inside)
-    assert inside.enable_prog_thread is False and inside.num_threads == 4
-    assert wrapper.agent_config.pthrDelay == 250  # NIXL's Python API would have left 0 (spinning)
-    assert base_worker.nixl_agent_config is FakeNixlAgentConfig and nixlBind.nixlAgent is original_agent
+def test_nixl_alone_spins_its_progress_thread(bindings):
+    """The reason for the patch: NIXL's Python API builds every agent with pthrDelay = 0."""
+    agent = nixl_api.nixl_agent("plain", nixl_api.nixl_agent_config(enable_prog_thread=True, num_threads=2))
+    assert bindings.created == [(True, 0)] and ucx_threads(agent) == 2
+
+
+def test_patch_is_scoped_to_the_worker_construction(bindings):
+    assert base_worker.nixl_agent_config is nixl_api.nixl_agent_config  # vLLM resolved the real class
+    with patched_agent_config({"enable_prog_thread": True, "num_threads": 1}, progress_delay_us=250):
+        inside = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)  # what vLLM calls
+        agent = base_worker.NixlWrapper("inside", inside)
+    outside = base_worker.NixlWrapper("outside", base_worker.nixl_agent_config(num_threads=3))
+    assert bindings.created == [(True, 250), (True, 0)]  # our delay inside only
+    assert ucx_threads(agent) == 1 and ucx_threads(outside) == 3
+    assert base_worker.nixl_agent_config is nixl_api.nixl_agent_config
+    assert nixl_api.nixlBind.nixlAgent is bindings.installed  # the bindings are as they were before
 
 
 @pytest.fixture
@@ -96,11 +90,10 @@ def single_process_group(model_dir):
     ({"num_threads": 4, "bidikv_nixl_progress_delay_us": 0}, True, 4, 0),  # vLLM's and NIXL's own behaviour
     ({"num_threads": 0, "bidikv_nixl_progress_thread": False}, False, 0, 0),
 ])
-def test_connector_worker_builds_its_agent_with_our_settings(model_dir, single_process_group, monkeypatch,
+def test_connector_worker_builds_its_agent_with_our_settings(model_dir, single_process_group, bindings,
                                                              extra, expect_prog, expect_threads, expect_delay):
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     from vllm.platforms import current_platform
 
     from impl.connector.connector import NixlConnector
@@ -110,14 +103,15 @@ def test_connector_worker_builds_its_agent_with_our_settings(model_dir, single_p
     if current_platform.device_type not in ("cpu", "cuda"):  # e.g. vLLM 0.33's GPU build on a CPU machine
         pytest.skip(f"vLLM has no usable platform here ({current_platform.device_type!r}): no worker can be built")
 
-    monkeypatch.setattr(base_worker, "NixlWrapper", FakeNixlWrapper)
-    monkeypatch.setattr(base_worker, "nixl_agent_config", FakeNixlAgentConfig)
-    FakeNixlWrapper.built = []
     vllm_config = make_vllm_config(model_dir, "kv_consumer", {"bidirectional_kv_xfer": True, **extra})
     with set_current_vllm_config(vllm_config):
         connector = NixlConnector(vllm_config, KVConnectorRole.WORKER, make_kv_cache_config())
-    assert isinstance(connector.connector_worker, BidikvPullWorker)
-    [agent] = FakeNixlWrapper.built
-    assert agent.config.enable_prog_thread is expect_prog and agent.config.num_threads == expect_threads
-    assert agent.agent_config.pthrDelay == expect_delay
-    assert base_worker.nixl_agent_config is FakeNixlAgentConfig  # restored after construction
+    try:
+        worker = connector.connector_worker
+        assert isinstance(worker, BidikvPullWorker)
+        assert isinstance(worker.nixl_wrapper, nixl_api.nixl_agent)  # a real agent
+        assert bindings.created == [(expect_prog, expect_delay)]
+        assert ucx_threads(worker.nixl_wrapper) == expect_threads
+        assert base_worker.nixl_agent_config is nixl_api.nixl_agent_config  # restored after construction
+    finally:
+        connector.shutdown()
