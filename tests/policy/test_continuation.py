@@ -13,7 +13,8 @@ items = st.one_of(st.integers(0, 200_000), st.text(max_size=4))
 @st.composite
 def two_splits(draw):
     """Two different ways of cutting one string into items (the digest must tell them apart)."""
-    text = draw(st.text(alphabet="ab1", min_size=2, max_size=8))
+    # "s" and "i" are the digest's own type tags: a digest without length prefixes confuses ["as", "b"] with ["a", "sb"]
+    text = draw(st.text(alphabet="si1", min_size=2, max_size=8))
     cuts = [sorted(draw(st.sets(st.integers(1, len(text) - 1), max_size=len(text) - 1))) for _ in range(2)]
     assume(cuts[0] != cuts[1])
     return [[text[i:j] for i, j in zip([0, *c], [*c, len(text)])] for c in cuts]
@@ -28,7 +29,7 @@ def test_re_split_strings_have_different_digests(splits):
 
 @given(two_splits())
 def test_re_split_token_ids_have_different_digests(splits):
-    a, b = ([int(x.replace("a", "2").replace("b", "3")) for x in s] for s in splits)
+    a, b = ([int(x.replace("s", "2").replace("i", "3")) for x in s] for s in splits)
     assume(a != b)
     assert sequence_digest(a) != sequence_digest(b)  # e.g. [12, 3] and [1, 23]
 

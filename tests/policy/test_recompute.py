@@ -99,3 +99,30 @@ def test_break_even_tokens_is_the_crossover():
     assert not policy.decide(PullCandidate(n - 1, n - 1, 0, 16)).pull
     never = BreakEvenThreshold(AffineCosts(per_token=1.0))
     assert never.break_even_tokens(16) is None
+
+
+def test_break_even_tie_recomputes():
+    """Pull only when strictly cheaper: a tie keeps the compute local (no transfer to set up or fail)."""
+    tie = BreakEvenThreshold(AffineCosts(setup=0.0, per_token=26e-6, compute_per_token=26e-6))
+    d = tie.decide(PullCandidate(1000, 1000, 0, 16))
+    assert d.predicted_pull_s == d.predicted_recompute_s
+    assert not d.pull and d.reason is DecisionReason.RECOMPUTE_CHEAPER
+
+
+@given(prompt=tokens, remote=tokens, local_hit=tokens, block=st.sampled_from([1, 16, 64, 128]), data=st.data())
+def test_peer_block_span_covers_exactly_the_positions_read(prompt, remote, local_hit, block, data):
+    cand = PullCandidate(prompt, remote, local_hit, block)
+    hit = local_hit - local_hit % block
+    readable = min(remote, prompt) - hit
+    if readable < 0:
+        return
+    n = data.draw(st.integers(0, readable), label="tokens read")
+    first, stop = cand.peer_block_span(n)
+    # the peer's block i holds positions [i*block, (i+1)*block): the span is the fewest blocks covering [hit, hit+n)
+    assert first * block == hit
+    if n == 0:
+        assert stop == first
+    else:
+        assert stop * block >= hit + n > (stop - 1) * block
+    with pytest.raises(ValueError):
+        cand.peer_block_span(readable + 1)
