@@ -38,8 +38,16 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a rejected flag is one line: the usage of `tune` alone is 30 lines of noise
+    around the one that says what was wrong. Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bidikv", description="Bidirectional KV-cache transfer: simulate, calibrate, tune, serve.")
+    parser = OneLineErrors(prog="bidikv", description="Bidirectional KV-cache transfer: simulate, calibrate, tune, serve.")
     parser.add_argument("--version", action="version", version=f"bidikv {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMAND_MODULES:

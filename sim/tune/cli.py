@@ -1,56 +1,98 @@
-"""``bidikv tune``: choose decoder_kv_blocks_ttl and kv_recompute_threshold for a workload."""
+"""``bidikv tune``: choose decoder_kv_blocks_ttl and kv_recompute_threshold for a workload.
+
+The workload is ``bidikv simulate``'s: the same config, flags and default (sim/config.py), stated in
+``--help`` and on the first line of the output. ``--json`` prints strict JSON (``null`` for no value).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import pathlib
 import sys
 from typing import Any
 
 from sim.tune.grid import DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S, parse_floats
 
-# Without a workload given, tune a steady stream rather than the benchmark's 24 simultaneous
-# conversations: enough conversations for stable p90s, arriving (Poisson) one per 20 s on average.
-TUNE_DEFAULT_WORKLOAD = {"kind": "synthetic", "num_conversations": 200, "arrival_rate_per_s": 0.05}
-
 
 def register(subparsers: Any) -> None:
-    from sim.cli import add_config_flags
+    from sim.cli import add_config_flags, describe_spec, number
+    from sim.config import SimConfig
 
-    p = subparsers.add_parser("tune", help="sweep TTL x threshold x retention policy; recommend a vLLM config",
-                              description="Simulate every configuration of the grid on your workload, compare each with "
-                                          "a clairvoyant oracle and with bidirectional OFF, print the Pareto frontier of "
-                                          "TTFT vs retained decode HBM and the recommended vLLM settings.")
-    p.add_argument("--config", default=None, help="TOML config file (the base every sweep point changes)")
+    p = subparsers.add_parser(
+        "tune", help="sweep TTL x threshold x retention policy; recommend a vLLM config",
+        description="Simulate every configuration of the grid on your workload, compare each with a clairvoyant oracle "
+                    "and with bidirectional OFF, print the Pareto frontier of TTFT vs retained decode HBM and the "
+                    "recommended vLLM settings, ready to paste. Default workload (the same as bidikv simulate's): "
+                    f"{describe_spec(SimConfig().workload)}, on 1P1D.")
+    p.add_argument("--config", default=None, metavar="TOML", help="TOML config file (the base every sweep point changes)")
     add_config_flags(p)
     g = p.add_argument_group("sweep")
-    g.add_argument("--ttls", default=",".join("inf" if t == float("inf") else f"{t:g}" for t in DEFAULT_TTLS_S),
-                   help="fixed TTLs in seconds, comma-separated ('inf' allowed) (default: %(default)s)")
-    g.add_argument("--thresholds", default=",".join(DEFAULT_THRESHOLDS),
+    g.add_argument("--ttls", default=",".join(f"{t:g}" for t in DEFAULT_TTLS_S), metavar="SECONDS,...",
+                   help="fixed TTLs in seconds, comma-separated, finite (vLLM takes no infinite TTL) "
+                        "(default: %(default)s)")
+    g.add_argument("--thresholds", default=",".join(DEFAULT_THRESHOLDS), metavar="TOKENS,...",
                    help="recompute thresholds in tokens or 'break_even' (default: %(default)s)")
-    g.add_argument("--leases", default=",".join(f"{x:g}" for x in DEFAULT_LEASES_S),
+    g.add_argument("--leases", default=",".join(f"{x:g}" for x in DEFAULT_LEASES_S), metavar="SECONDS,...",
                    help="heartbeat lease lengths in seconds, '' for none (default: %(default)s)")
-    g.add_argument("--gap-quantiles", default=",".join(f"{x:g}" for x in DEFAULT_GAP_QUANTILES),
-                   help="gap quantiles for learnt TTLs, '' for none (default: %(default)s)")
+    g.add_argument("--gap-quantiles", default=",".join(f"{x:g}" for x in DEFAULT_GAP_QUANTILES), metavar="Q,...",
+                   help="quantiles of the observed think time to use as a learnt TTL, '' for none "
+                        "(default: %(default)s)")
     o = p.add_argument_group("objective")
     o.add_argument("--objective", default="ttft_p90", choices=("ttft_p50", "ttft_p90", "ttft_p99", "compute"),
                    help="what to minimise (default: %(default)s)")
-    o.add_argument("--max-retained-hbm-pct", type=float, default=50.0,
-                   help="budget: time-averaged retained KV as a %% of all decode HBM for KV (default: %(default)s)")
-    o.add_argument("--tolerance-pct", type=float, default=1.0,
+    o.add_argument("--max-retained-hbm-pct", type=number(float), default=50.0, metavar="PCT",
+                   help="budget: time-averaged retained KV as a %% of all decode HBM for KV, in (0, 100] "
+                        "(default: %(default)s)")
+    o.add_argument("--tolerance-pct", type=number(float), default=1.0, metavar="PCT",
                    help="configurations within this %% of the best objective count as equal; the one pinning the "
                         "least HBM wins (default: %(default)s)")
-    o.add_argument("--decode-hbm-gb", type=float, default=None,
+    o.add_argument("--decode-hbm-gb", type=number(float), default=None, metavar="GB",
                    help="KV budget per decode instance in GB (default: the profile's)")
     x = p.add_argument_group("execution")
-    x.add_argument("--executor", default="process", choices=("process", "ray", "serial"), help="(default: %(default)s)")
-    x.add_argument("--workers", type=int, default=None, help="process-pool size (default: CPU count)")
-    x.add_argument("--json", action="store_true", help="print frontier and recommendation as JSON")
-    x.add_argument("--plots", default=None, help="directory for frontier, TTFT CDF and retained-HBM plots (PNG, SVG)")
+    x.add_argument("--executor", default="process", choices=("process", "ray", "serial"),
+                   help="where sweep points run: a local process pool, a Ray cluster (RAY_ADDRESS) or this process "
+                        "(default: %(default)s)")
+    x.add_argument("--workers", type=number(int), default=None, metavar="N",
+                   help="process-pool size, >= 1 (default: CPU count)")
+    x.add_argument("--json", action="store_true", help="print every configuration, the frontier and the recommendation "
+                                                       "as strict JSON")
+    x.add_argument("--plots", default=None, metavar="DIR",
+                   help="directory for the frontier, TTFT CDF and retained-HBM plots (PNG and SVG)")
     x.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on when stderr is a terminal)")
+                   help="progress bar with an estimate of the time left (default: on when stderr is a terminal)")
     p.set_defaults(run=run)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The tuner's own numeric flags (the simulation's are checked by its config)."""
+    if not 0 < args.max_retained_hbm_pct <= 100:
+        raise ValueError(f"--max-retained-hbm-pct must be in (0, 100], got {args.max_retained_hbm_pct:g}")
+    if not 0 <= args.tolerance_pct < math.inf:
+        raise ValueError(f"--tolerance-pct must be a finite number >= 0, got {args.tolerance_pct:g}")
+    if args.decode_hbm_gb is not None and not 0 < args.decode_hbm_gb < math.inf:
+        raise ValueError(f"--decode-hbm-gb must be a finite number > 0, got {args.decode_hbm_gb:g}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+
+
+def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
+    """The simulate warnings, for the references every configuration is measured against."""
+    from sim.cli import QUEUE_SHARE_WARN, UTILISATION_WARN
+
+    out = []
+    for p in points:
+        if p.candidate.kind not in ("baseline_off", "default"):
+            continue
+        m, name = p.metrics, p.candidate.label
+        if m.get("prefill_utilisation_max", 0.0) >= UTILISATION_WARN:
+            out.append(f"{name}: a prefill instance is {m['prefill_utilisation_max']:.0%} busy, so TTFT measures a "
+                       f"saturated cluster, not KV reuse; add prefill instances (--num-prefill {num_prefill + 1}) "
+                       "or lower the load")
+        elif m.get("queue_share_of_ttft", 0.0) > QUEUE_SHARE_WARN:
+            out.append(f"{name}: queueing is {m['queue_share_of_ttft']:.0%} of TTFT, so the ranking is mostly about "
+                       f"waiting; add prefill instances (--num-prefill {num_prefill + 1}) or lower the arrival rate")
+    return out
 
 
 def _list(text: str, name: str) -> list[float]:
@@ -59,47 +101,56 @@ def _list(text: str, name: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     from calibration.profile import LatencyProfile
-    from sim.cli import config_from_args
+    from sim.cli import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
     from sim.tune.executor import run_points
     from sim.tune.grid import REFERENCES, build_grid
-    from sim.tune.sensitivity import UNSTATED, sensitivity_rows, sensitivity_table, stated_renewal, tune_across_behaviours
+    from sim.tune.sensitivity import (UNSTATED, lease_points, sensitivity_rows, sensitivity_table, stated_renewal,
+                                      tune_across_behaviours)
     from sim.tune.report import as_json, plots, recommendation_text, table
 
+    check_args(args)
     config = config_from_args(args)
-    if args.conversations is None and args.trace is None and args.config is None and args.workload_kind is None:
-        config.workload = dict(TUNE_DEFAULT_WORKLOAD)
+    thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
+    grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
+    plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
+    workload = describe_workload(config, load_conversations(config))
     profile = LatencyProfile.load(config.profile)
     block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
     if args.decode_hbm_gb is not None:
-        if not args.decode_hbm_gb > 0:
-            raise ValueError("--decode-hbm-gb must be > 0")
-        config.topology.decode_kv_blocks = int(args.decode_hbm_gb / block_gb)
+        config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
     decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
     decode_hbm_gb = decode_blocks * block_gb * config.topology.num_decode
-    thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
-    grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
     candidates = [*grid, *REFERENCES]
     # a lease is only as good as the clients' heartbeats: every lease point runs under each client
     # behaviour, the recommendation is for the stated one (or safe under never and while_open)
     stated = stated_renewal(args)
-    main, per_behaviour, tuned_ttl = tune_across_behaviours(
+    tuning = tune_across_behaviours(
         config, candidates, lambda cfgs, pols: run_points(cfgs, pols, args.executor, args.workers, args.progress),
         args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct, stated)
-    points, chosen = main.points, main.chosen
-    sensitivity = sensitivity_rows(main, per_behaviour, tuned_ttl, args.objective)
-    if args.plots:
-        for path in plots(points, chosen, args.objective, pathlib.Path(args.plots)):
+    points, chosen = tuning.main.points, tuning.main.chosen
+    sensitivity = sensitivity_rows(tuning, args.objective)
+    topology = (config.topology.num_prefill, config.topology.num_decode)
+    warnings = capacity_warnings(points, config.topology.num_prefill)
+    if plots_dir is not None:
+        for path in plots(points, chosen, args.objective, plots_dir, budget_gb=args.max_retained_hbm_pct / 100.0
+                          * decode_hbm_gb):
             print(f"wrote {path}", file=sys.stderr)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if args.json:
-        out = as_json(points, chosen, args.objective, config.profile)
-        out.update(client_renewal=stated or UNSTATED, client_renewal_sensitivity=sensitivity)
-        print(json.dumps(out, indent=2, sort_keys=True, default=str))
+        out = as_json(points, chosen, args.objective, config.profile, topology)
+        out.update(workload=workload, warnings=warnings, client_renewal=stated or UNSTATED,
+                   client_renewal_sensitivity=sensitivity, client_renewal_lease_points=lease_points(tuning))
+        print(dumps(out))
     else:
+        print(f"workload: {workload['description']}")
+        print(f"cluster:  {topology[0]}P{topology[1]}D, profile {config.profile}, decode KV memory "
+              f"{decode_hbm_gb:,.0f} GB in all, budget {args.max_retained_hbm_pct:g} % of it retained on average")
         print(f"client renewal: {stated}" if stated else "client renewal: unstated (lease rows: the worse of never and "
               "while_open per figure)")
         print(table(points, chosen, args.objective))
         print()
-        print(sensitivity_table(sensitivity, main, args.objective))
+        print(sensitivity_table(sensitivity, tuning.main, args.objective))
         print()
-        print(recommendation_text(chosen, config.profile))
+        print(recommendation_text(chosen, config.profile, topology))
     return 0

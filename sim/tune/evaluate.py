@@ -25,6 +25,9 @@ def evaluate(config: SimConfig, policy_overrides: dict[str, Any]) -> dict[str, A
         "retained_hbm_gb_s": s["retained_hbm_gb_s"], "peak_retained_hbm_gb": s["peak_retained_hbm_gb"],
         "preemptions": s["preemptions"], "rejected": s["rejected"], "dropped_under_pressure": s["dropped_under_pressure"],
         "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"], "heartbeats": s["heartbeats"],
+        # capacity, for the tuner's warning that an answer is about queueing rather than reuse
+        "prefill_utilisation_max": max(s["prefill_utilisation"].values(), default=0.0),
+        "queue_share_of_ttft": (sum(r.p_queue_s + r.d_queue_s for r in done) / sum(ttfts)) if sum(ttfts) > 0 else 0.0,
         "ttft_cdf_ms": [t * 1e3 for t in ttfts[:: max(1, len(ttfts) // 200)]],
         "retained_series": _retained_series(result, cfg),
     }

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from sim.tune.grid import Candidate
 
+VLLM_DEFAULT_THRESHOLD = "64"  # kv_recompute_threshold's default in vLLM
 OBJECTIVES = {"ttft_p50": "ttft_p50_ms", "ttft_p90": "ttft_p90_ms", "ttft_p99": "ttft_p99_ms",
               "compute": "tokens_recomputed"}
 
@@ -63,7 +64,9 @@ def analyse(candidates: Sequence[Candidate], metrics: Sequence[dict[str, Any]], 
     if not feasible:
         return points, None
     best = min(p.metrics[key] for p in feasible)
-    # within tolerance of the best objective, the one that pins the least HBM (then the simpler label)
+    # within tolerance of the best objective, the one that pins the least HBM; on a tie vLLM's default
+    # threshold (what a user already runs), then the simpler label
     near = [p for p in feasible if p.metrics[key] <= best * (1 + tolerance_pct / 100.0) + 1e-9]
-    chosen = min(near, key=lambda p: (p.metrics["retained_hbm_gb_s"], p.metrics[key], p.candidate.label))
+    chosen = min(near, key=lambda p: (p.metrics["retained_hbm_gb_s"], p.metrics[key],
+                                      p.candidate.threshold != VLLM_DEFAULT_THRESHOLD, p.candidate.label))
     return points, chosen

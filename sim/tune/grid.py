@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, math.inf)
+# Finite only: vLLM's decoder_kv_blocks_ttl (and our connector and router) take a number of seconds,
+# so a recommendation must be one; the oracle bounds what any retention can do.
+DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 3600.0)
 DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
 DEFAULT_LEASES_S = (30.0, 120.0)
 DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
@@ -29,9 +31,9 @@ def _threshold_policy(threshold: str) -> dict[str, Any]:
     try:
         tokens = int(threshold)
     except ValueError:
-        raise ValueError(f"threshold {threshold!r} must be a token count or 'break_even'") from None
+        raise ValueError(f"--thresholds: threshold {threshold!r} must be a token count or 'break_even'") from None
     if tokens < 0:
-        raise ValueError(f"threshold {threshold!r} must be >= 0")
+        raise ValueError(f"--thresholds: threshold {threshold!r} must be >= 0")
     return {"recompute_policy": "fixed", "kv_recompute_threshold": tokens}
 
 
@@ -46,17 +48,18 @@ def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[st
     for threshold in thresholds:
         tp = _threshold_policy(threshold)
         for ttl in ttls_s:
-            if ttl < 0 or math.isnan(ttl):
-                raise ValueError(f"TTL {ttl!r} must be >= 0 seconds")
+            if not 0 <= ttl < math.inf:
+                raise ValueError(f"--ttls: {ttl!r} must be a finite number of seconds >= 0 (vLLM's "
+                                 "decoder_kv_blocks_ttl takes no infinity; for a very long hold give e.g. 86400)")
             out.append(Candidate(f"ttl={_fmt_s(ttl)} thr={threshold}", {"retention": "ttl", "decoder_kv_blocks_ttl": ttl, **tp}))
         for lease in leases_s:
-            if not lease > 0:
-                raise ValueError(f"lease {lease!r} must be > 0 seconds")
+            if not 0 < lease < math.inf:
+                raise ValueError(f"--leases: {lease!r} must be a finite number of seconds > 0")
             out.append(Candidate(f"lease={_fmt_s(lease)} thr={threshold}",
                                  {"retention": "lease", "lease_s": lease, "heartbeat_interval_s": lease / 3, **tp}))
         for q in gap_quantiles:
             if not 0 < q <= 1:
-                raise ValueError(f"gap quantile {q!r} must be in (0, 1]")
+                raise ValueError(f"--gap-quantiles: {q!r} must be in (0, 1]")
             out.append(Candidate(f"gap_q={q:g} thr={threshold}", {"retention": "gap_quantile", "gap_quantile": q, **tp}))
     return out
 
@@ -74,7 +77,10 @@ def parse_floats(text: str, name: str) -> list[float]:
     for part in text.split(","):
         part = part.strip()
         try:
-            values.append(math.inf if part.lower() in ("inf", "infinity") else float(part))
+            value = float(part)
         except ValueError:
             raise ValueError(f"--{name}: {part!r} is not a number") from None
+        if math.isnan(value):
+            raise ValueError(f"--{name}: {part!r} is not a number")
+        values.append(value)
     return values

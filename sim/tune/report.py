@@ -1,55 +1,114 @@
-"""What the tuner prints and draws: the table, the recommendation as vLLM settings, the plots."""
+"""What the tuner prints and draws: the table, the recommendation as vLLM settings, the plots.
+
+Configurations that produce identical results (every figure equal, e.g. one TTL under every threshold
+when no reusable prefix is short enough for the threshold to matter) are one row, named by the
+representative the recommendation would pick: vLLM's default threshold (64) when it is among them.
+
+The recommendation pastes into the deployment this repo ships (impl/deploy/deploy.toml): P and D on
+the recipe's HTTP ports, D's heartbeat listener on a port of its own, and a router command naming
+every P and D of the tuned topology.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
+import shlex
 from typing import Any, Sequence
 
-from sim.tune.frontier import OBJECTIVES, Point
+from sim.tune.frontier import OBJECTIVES, VLLM_DEFAULT_THRESHOLD, Point
+
+# The deploy recipe's ports (impl/deploy/deploy.toml): P's and D's HTTP servers, the router, and D's
+# lease-heartbeat listener (apart from D's HTTP 8200 and NIXL side channel 5601, which it would clash with).
+PREFILL_HTTP_PORT = 8100
+DECODE_HTTP_PORT = 8200
+ROUTER_PORT = 9000
+HEARTBEAT_PORT = 5700
+# Scalar figures that decide whether two configurations gave the same result.
+_SAME_RESULT = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "tokens_recomputed", "tokens_reused",
+                "retained_hbm_gb_s", "peak_retained_hbm_gb", "preemptions", "rejected")
 
 
-def _n(x: float, fmt: str = ",.0f") -> str:
+def _n(x: float | None, fmt: str = ",.0f") -> str:
     return "-" if x is None or (isinstance(x, float) and (math.isnan(x))) else format(x, fmt)
 
 
+def _base_label(label: str) -> tuple[str, str]:
+    base, sep, threshold = label.rpartition(" thr=")
+    return (base, threshold) if sep else (label, "")
+
+
+def collapse(points: Sequence[Point], chosen: Point | None = None) -> list[tuple[Point, list[Point]]]:
+    """(representative, the points with its exact results) in first-seen order: sweep points that differ
+    only in threshold and give identical figures become one. The representative is the recommended point
+    if it is among them, else vLLM's default threshold, else the first."""
+    groups: dict[Any, list[Point]] = {}
+    for p in points:
+        if p.candidate.kind != "sweep":
+            key: Any = ("ref", id(p))
+        else:
+            key = (_base_label(p.candidate.label)[0], p.feasible, tuple(p.metrics.get(k) for k in _SAME_RESULT))
+        groups.setdefault(key, []).append(p)
+    out = []
+    for members in groups.values():
+        rep = next((p for p in members if p is chosen), None) or next(
+            (p for p in members if p.candidate.threshold == VLLM_DEFAULT_THRESHOLD), members[0])
+        out.append((rep, members))
+    return out
+
+
+def row_label(rep: Point, members: Sequence[Point]) -> str:
+    if len(members) == 1:
+        return rep.candidate.label
+    others = [_base_label(p.candidate.label)[1] for p in members if p is not rep]
+    return f"{rep.candidate.label} (= thr {','.join(others)})"
+
+
 def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
-    head = (f"{'configuration':<34}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'HBM GB*s':>11}{'peak GB':>8}"
+    rows = collapse(points, chosen)
+    width = max(34, *(len(row_label(r, m)) + 2 for r, m in rows))
+    head = (f"{'configuration':<{width}}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'HBM GB*s':>11}{'peak GB':>8}"
             f"{'vs 480s':>8}{'compute%':>9}{'TTFT%':>7}{'preempt':>8}{'rej':>5}  ")
     lines = [f"objective: minimise {objective} (ms: TTFT; HBM: retained decode KV; %: share of the oracle's saving "
              "over bidirectional OFF)", head]
-    order = sorted(points, key=lambda p: (p.candidate.kind != "sweep", p.metrics[OBJECTIVES[objective]]))
-    for p in order:
+    order = sorted(rows, key=lambda rm: (rm[0].candidate.kind != "sweep", rm[0].metrics[OBJECTIVES[objective]]))
+    for p, members in order:
         m = p.metrics
         mark = "*" if p is chosen else ("F" if p.on_frontier else " ")
         mark += "" if p.feasible else " over budget"
-        lines.append(f"{p.candidate.label:<34}{_n(m['ttft_p50_ms']):>9}{_n(m['ttft_p90_ms']):>8}{_n(m['ttft_p99_ms']):>8}"
-                     f"{_n(m['retained_hbm_gb_s']):>11}{_n(m['peak_retained_hbm_gb'], ',.1f'):>8}"
+        lines.append(f"{row_label(p, members):<{width}}{_n(m['ttft_p50_ms']):>9}{_n(m['ttft_p90_ms']):>8}"
+                     f"{_n(m['ttft_p99_ms']):>8}{_n(m['retained_hbm_gb_s']):>11}{_n(m['peak_retained_hbm_gb'], ',.1f'):>8}"
                      f"{_n(p.hbm_vs_default, '.2f'):>8}{_n(p.compute_saving_pct_of_oracle, '.1f'):>9}"
                      f"{_n(p.ttft_saving_pct_of_oracle, '.1f'):>7}{m['preemptions']:>8}{m['rejected']:>5}  {mark}")
-    lines.append("(* recommended, F on the Pareto frontier of objective vs retained HBM*s)")
+    lines.append("(* recommended, F on the Pareto frontier of objective vs retained HBM*s; \"= thr ...\": those "
+                 "thresholds gave exactly the same results)")
     return "\n".join(lines)
 
 
-HEARTBEAT_PORT = 8200  # D's heartbeat listener in the recommended settings (impl.connector.heartbeat)
-
-
-def vllm_settings(point: Point, profile_name: str = "<profile name or path>") -> dict[str, Any]:
-    """``--kv-transfer-config`` for P and D (keys of impl.connector.config), and the router command."""
+def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
+                  topology: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """``--kv-transfer-config`` for P and D (keys of impl.connector.config), the keys for the deploy
+    recipe's [connector] table, and the router command for ``topology`` = (prefill, decode) instances."""
     pol = point.candidate.policy
     retention = pol.get("retention", "ttl")
+    if retention not in ("ttl", "lease", "gap_quantile"):
+        raise ValueError(f"{point.candidate.label}: retention {retention!r} has no vLLM setting (simulator only)")
+    ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
+    # D keeping nothing is one-way transfer: say so, rather than a TTL of 0 (the router refuses one)
+    off = retention == "ttl" and ttl == 0
     ours = retention != "ttl" or pol.get("recompute_policy") == "break_even"
-    p_extra: dict[str, Any] = {"bidirectional_kv_xfer": True}
-    d_extra: dict[str, Any] = {"bidirectional_kv_xfer": True}
+    p_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
+    d_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
     if pol.get("recompute_policy") == "break_even":
         p_extra["bidikv_recompute_policy"] = "break_even"
         p_extra["bidikv_cost_profile"] = profile_name
     else:
         p_extra["kv_recompute_threshold"] = pol.get("kv_recompute_threshold", 64)
-    if retention == "ttl":
-        ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
-        d_extra["decoder_kv_blocks_ttl"] = "inf" if math.isinf(ttl) else ttl
+    if retention == "ttl" and not off:
+        if not math.isfinite(ttl):
+            raise ValueError(f"{point.candidate.label}: vLLM's decoder_kv_blocks_ttl must be finite")
+        d_extra["decoder_kv_blocks_ttl"] = ttl
     elif retention == "lease":
         # the listener the router relays client heartbeats to; without it a lease is a fixed TTL
         d_extra.update(bidikv_retention="lease", bidikv_lease_s=pol["lease_s"],
@@ -62,11 +121,18 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>") ->
         base["kv_connector_module_path"] = "impl.connector"
     prefill = {**base, "kv_role": "kv_producer", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": p_extra}
     decode = {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": d_extra}
-    router = ["bidikv", "router", "--prefill", "http://P:8000", "--decode", "http://D:8000"]
+    num_prefill, num_decode = topology
+    router = ["bidikv", "router", "--prefill", *(f"http://P{i}:{PREFILL_HTTP_PORT}" for i in range(num_prefill)),
+              "--decode", *(f"http://D{i}:{DECODE_HTTP_PORT}" for i in range(num_decode)), "--port", str(ROUTER_PORT)]
+    if retention == "ttl" and not off:
+        router += ["--decoder-kv-blocks-ttl-s", f"{ttl:g}"]
+    # deploy.toml's [connector] is one table for P and D, without bidirectional_kv_xfer (its --mode sets it)
+    connector = {k: v for k, v in {**p_extra, **d_extra}.items() if k != "bidirectional_kv_xfer"}
     if retention == "ttl":
-        ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
-        router += ["--decoder-kv-blocks-ttl-s", "inf" if math.isinf(ttl) else f"{ttl:g}"]
-    out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode, "router_command": " ".join(router)}
+        connector["bidikv_retention"] = "ttl"  # the recipe's table may name another retention
+    out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode,
+           "router_command": shlex.join(router), "router_argv": router, "deploy_connector": connector,
+           "deploy_mode": "off" if off else "on"}
     if retention == "lease":
         out["caveat"] = (f"the lease is renewed only by heartbeats: D listens on bidikv_heartbeat_port ({HEARTBEAT_PORT} "
                          "here: any port the router can reach, plus the engine's data-parallel index) and tells the "
@@ -76,36 +142,70 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>") ->
     return out
 
 
-def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>") -> str:
+def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>",
+                        topology: tuple[int, int] = (1, 1)) -> str:
     if chosen is None:
         return "no configuration meets the HBM budget: raise --max-retained-hbm-pct or decode memory"
-    s = vllm_settings(chosen, profile_name)
+    s = vllm_settings(chosen, profile_name, topology)
+    toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s["deploy_connector"].items())
     return "\n".join([
         f"recommended: {chosen.candidate.label}  ({chosen.compute_saving_pct_of_oracle:.1f} % of the oracle's compute "
         f"saving, {chosen.ttft_saving_pct_of_oracle:.1f} % of its TTFT saving, {chosen.hbm_vs_default:.2f}x the "
         "retained HBM*s of vLLM's default)",
-        f"  prefill: --kv-transfer-config '{json.dumps(s['prefill_kv_transfer_config'])}'",
-        f"  decode:  --kv-transfer-config '{json.dumps(s['decode_kv_transfer_config'])}'",
-        f"  router:  {s['router_command']}",
+        f"  prefill: vllm serve ... --kv-transfer-config '{json.dumps(s['prefill_kv_transfer_config'])}'",
+        f"  decode:  vllm serve ... --kv-transfer-config '{json.dumps(s['decode_kv_transfer_config'])}'",
+        f"  router:  {s['router_command']}   (P0.., D0..: your instances' addresses)",
+        *(["  that is bidirectional transfer OFF: D keeps no blocks for P to read back"] if s["deploy_mode"] == "off"
+          else []),
+        f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}; run its scripts with --mode "
+        f"{s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
     ])
 
 
 def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
-            profile_name: str = "<profile name or path>") -> dict[str, Any]:
-    def row(p: Point) -> dict[str, Any]:
+            profile_name: str = "<profile name or path>", topology: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """Every configuration (``same_results_as``: labels of the configurations collapsed into it), the
+    frontier and the recommendation. Run through sim.cli.dumps: null, never NaN or Infinity."""
+
+    def row(p: Point, members: Sequence[Point] = ()) -> dict[str, Any]:
         m = {k: v for k, v in p.metrics.items() if k not in ("ttft_cdf_ms", "retained_series")}
         return {"label": p.candidate.label, "kind": p.candidate.kind, "policy": p.candidate.policy, **m,
                 "compute_saving_pct_of_oracle": p.compute_saving_pct_of_oracle,
                 "ttft_saving_pct_of_oracle": p.ttft_saving_pct_of_oracle, "hbm_vs_default": p.hbm_vs_default,
-                "mean_retained_hbm_gb": p.mean_retained_hbm_gb, "on_frontier": p.on_frontier, "feasible": p.feasible}
+                "mean_retained_hbm_gb": p.mean_retained_hbm_gb, "on_frontier": p.on_frontier, "feasible": p.feasible,
+                "same_results_as": [q.candidate.label for q in members if q is not p]}
 
-    return {"objective": objective, "points": [row(p) for p in points],
-            "frontier": [p.candidate.label for p in points if p.on_frontier],
-            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen, profile_name)}}
+    rows = collapse(points, chosen)
+    return {"objective": objective, "points": [row(p, members) for p, members in rows],
+            "frontier": [p.candidate.label for p, _ in rows if p.on_frontier],
+            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen, profile_name, topology)}}
 
 
-def plots(points: Sequence[Point], chosen: Point | None, objective: str, out: pathlib.Path) -> list[pathlib.Path]:
+# One colour and marker per reference, the same in all three plots.
+_STYLE = {"baseline_off": ("OFF (one-way transfer)", "tab:gray", "X"),
+          "default": ("vLLM default (480 s, 64)", "tab:red", "s"),
+          "oracle": ("oracle (clairvoyant bound)", "black", "*"),
+          "chosen": ("recommended", "tab:green", "D")}
+
+
+def _story(points: Sequence[Point], chosen: Point | None) -> list[tuple[str, Point]]:
+    """The lines that tell the story: OFF, vLLM's default, the recommendation, the oracle."""
+    by_kind = {p.candidate.kind: p for p in points if p.candidate.kind != "sweep"}
+    out = [(k, by_kind[k]) for k in ("baseline_off", "default") if k in by_kind]
+    if chosen is not None:
+        out.append(("chosen", chosen))
+    if "oracle" in by_kind:
+        out.append(("oracle", by_kind["oracle"]))
+    return out
+
+
+def _name(kind: str, p: Point) -> str:
+    return f"recommended: {p.candidate.label}" if kind == "chosen" else _STYLE[kind][0]
+
+
+def plots(points: Sequence[Point], chosen: Point | None, objective: str, out: pathlib.Path,
+          budget_gb: float | None = None) -> list[pathlib.Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,44 +213,73 @@ def plots(points: Sequence[Point], chosen: Point | None, objective: str, out: pa
 
     out.mkdir(parents=True, exist_ok=True)
     key = OBJECTIVES[objective]
+    y_label = f"TTFT {objective.split('_')[1]} (ms)" if objective != "compute" else "prompt tokens recomputed"
     written = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in points:
-        if p.candidate.kind == "baseline_off":
-            continue
-        x, y = p.metrics["retained_hbm_gb_s"], p.metrics[key]
-        style = {"oracle": ("k", "*"), "default": ("tab:red", "s")}.get(p.candidate.kind, ("tab:blue" if p.on_frontier else "0.7", "o"))
-        ax.scatter([x], [y], c=style[0], marker=style[1], s=60 if p is chosen else 20, zorder=3)
-        if p.on_frontier or p.candidate.kind != "sweep":
-            ax.annotate(p.candidate.label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    front = sorted((p.metrics["retained_hbm_gb_s"], p.metrics[key]) for p in points if p.on_frontier)
+    rows = collapse(points, chosen)
+    sweep = [p for p, _ in rows if p.candidate.kind == "sweep"]
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    families = {"ttl": ("fixed TTL", "tab:blue", "o"), "lease": ("heartbeat lease", "tab:purple", "^"),
+                "gap_quantile": ("gap-quantile TTL", "tab:orange", "v")}
+    for retention, (name, colour, marker) in families.items():
+        fam = [p for p in sweep if p.candidate.policy.get("retention") == retention]
+        if fam:
+            ax.scatter([p.mean_retained_hbm_gb for p in fam], [p.metrics[key] for p in fam], c=colour, marker=marker,
+                       s=28, alpha=0.75, label=name, zorder=2)
+    front = sorted((p.mean_retained_hbm_gb, p.metrics[key]) for p, _ in rows if p.on_frontier)
     if front:
-        ax.plot(*zip(*front), color="tab:blue", lw=1)
-    ax.set_xlabel("retained decode HBM (GB*s)")
-    ax.set_ylabel(f"{objective} (ms)" if objective != "compute" else "prompt tokens recomputed")
-    ax.set_title("Pareto frontier: TTFT vs retained HBM")
+        ax.plot(*zip(*front), color="tab:blue", lw=1, ls="--", label="Pareto frontier", zorder=1)
+    for kind, p in _story(points, chosen):
+        _, colour, marker = _STYLE[kind]
+        ax.scatter([p.mean_retained_hbm_gb], [p.metrics[key]], c=colour, marker=marker, s=130 if kind == "oracle" else 90,
+                   edgecolors="white", linewidths=0.8, label=_name(kind, p), zorder=4)
+    if budget_gb is not None:
+        ax.axvline(budget_gb, color="tab:red", lw=1, ls=":", label=f"HBM budget ({budget_gb:,.0f} GB mean)", zorder=1)
+    # name only the fixed TTLs on the frontier, once each, so labels do not overprint
+    named = set()
+    for p, _ in rows:
+        base = _base_label(p.candidate.label)[0]
+        if p.on_frontier and p.candidate.kind == "sweep" and p.candidate.policy.get("retention") == "ttl" \
+                and base not in named:
+            named.add(base)
+            ax.annotate(base.replace("ttl=", ""), (p.mean_retained_hbm_gb, p.metrics[key]), fontsize=8,
+                        xytext=(5, 4), textcoords="offset points", color="tab:blue")
+    ax.set_xlabel("retained decode HBM, time-averaged (GB)")
+    ax.set_ylabel(y_label)
+    ax.set_title("TTFT vs decode memory held for reuse (lower left is better)")
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    ax.grid(alpha=0.3)
     written += _save(fig, out / "frontier")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    shown = [p for p in points if p.on_frontier or p.candidate.kind != "sweep"]
-    for p in shown:
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kind, p in _story(points, chosen):
         cdf = p.metrics["ttft_cdf_ms"]
         if cdf:
-            ax.plot(cdf, [i / len(cdf) for i in range(1, len(cdf) + 1)], label=p.candidate.label, lw=1)
+            ax.plot(cdf, [i / len(cdf) for i in range(1, len(cdf) + 1)], label=_name(kind, p), color=_STYLE[kind][1],
+                    lw=2 if kind == "chosen" else 1.3, ls="--" if kind == "oracle" else "-")
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of turns")
-    ax.legend(fontsize=6)
-    ax.set_title("TTFT CDF per configuration")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of turns with TTFT at most x")
+    ax.set_title("TTFT distribution")
+    ax.legend(fontsize=9, loc="lower right")
+    ax.grid(alpha=0.3, which="both")
     written += _save(fig, out / "ttft_cdf")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in shown:
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kind, p in _story(points, chosen):
+        if kind == "baseline_off":
+            continue  # retains nothing: a line on zero
         series = p.metrics["retained_series"]
         if series:
-            ax.plot([t for t, _ in series], [g for _, g in series], label=p.candidate.label, lw=1)
-    ax.set_xlabel("simulated time (s)")
+            ax.plot([t / 60 for t, _ in series], [g for _, g in series], label=_name(kind, p), color=_STYLE[kind][1],
+                    lw=1.5 if kind == "chosen" else 1.1, ls="--" if kind == "oracle" else "-")
+    if budget_gb is not None:
+        ax.axhline(budget_gb, color="tab:red", lw=1, ls=":", label=f"HBM budget ({budget_gb:,.0f} GB, time-averaged)")
+    ax.set_xlabel("simulated time (min)")
     ax.set_ylabel("retained decode HBM (GB)")
-    ax.legend(fontsize=6)
-    ax.set_title("Retained HBM over time")
+    ax.set_title("Decode memory held for reuse over time")
+    ax.legend(fontsize=9, loc="upper left")  # every curve starts from zero: the corner stays clear
+    ax.grid(alpha=0.3)
     written += _save(fig, out / "retained_hbm")
     plt.close("all")
     return written
@@ -160,5 +289,6 @@ def _save(fig: Any, stem: pathlib.Path) -> list[pathlib.Path]:
     fig.tight_layout()
     paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
     for path in paths:
-        fig.savefig(path, dpi=120)
+        # SVG embeds a date by default; without it the same run draws the same bytes
+        fig.savefig(path, dpi=120, metadata={"Date": None} if path.suffix == ".svg" else None)
     return paths

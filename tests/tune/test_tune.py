@@ -79,9 +79,11 @@ def test_frontier_and_recommendation_rule():
 def test_grid_validation():
     with pytest.raises(ValueError, match="threshold"):
         build_grid(thresholds=["sixty"])
-    with pytest.raises(ValueError, match="TTL"):
+    with pytest.raises(ValueError, match="--ttls: -1.0 must be a finite number"):
         build_grid(ttls_s=[-1.0])
-    assert len(build_grid([0.0, math.inf], ["64"], [], [])) == 2
+    with pytest.raises(ValueError, match="--ttls: inf must be a finite number"):
+        build_grid(ttls_s=[math.inf])  # vLLM's decoder_kv_blocks_ttl takes no infinity: never recommend one
+    assert len(build_grid([0.0, 3600.0], ["64"], [], [])) == 2
 
 
 def test_vllm_settings_are_valid_json_for_vllm_and_ours():
@@ -135,3 +137,82 @@ def test_recommended_settings_use_keys_the_connector_accepts():
         s = vllm_settings(analyse_one(policy), "qwen3-32b@p5en-tp8")
         for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
             ConnectorSettings.from_extra_config(s[side]["kv_connector_extra_config"])  # raises, naming the key, on drift
+
+
+def test_identical_results_collapse_to_one_row_named_by_vllms_default_threshold():
+    from sim.tune.report import as_json, collapse, table
+
+    cands = [Candidate("ttl=60s thr=0", {"retention": "ttl", "kv_recompute_threshold": 0}),
+             Candidate("ttl=60s thr=64", {"retention": "ttl", "kv_recompute_threshold": 64}),
+             Candidate("ttl=60s thr=1024", {"retention": "ttl", "kv_recompute_threshold": 1024}),
+             Candidate("ttl=90s thr=0", {"retention": "ttl", "kv_recompute_threshold": 0}), *REFERENCES]
+    same = _metrics(100.0, 10, 200.0)
+    metrics = [same, dict(same), _metrics(120.0, 30, 200.0), _metrics(100.0, 10, 300.0),
+               _metrics(200.0, 100, 0.0), _metrics(110.0, 20, 400.0), _metrics(90.0, 0, 150.0)]
+    for m in metrics:
+        m.update(peak_retained_hbm_gb=1.0, preemptions=0, tokens_reused=0)
+    points, chosen = analyse(cands, metrics, "ttft_p90", max_retained_hbm_pct=100.0, decode_hbm_gb=10.0, tolerance_pct=1.0)
+    # thr=0 and thr=64 tie on every figure: the recommendation is vLLM's default, not the first label
+    assert chosen.candidate.label == "ttl=60s thr=64"
+    rows = collapse(points, chosen)
+    assert [(r.candidate.label, [m.candidate.label for m in ms]) for r, ms in rows[:3]] == [
+        ("ttl=60s thr=64", ["ttl=60s thr=0", "ttl=60s thr=64"]), ("ttl=60s thr=1024", ["ttl=60s thr=1024"]),
+        ("ttl=90s thr=0", ["ttl=90s thr=0"])]
+    text = table(points, chosen, "ttft_p90")
+    assert "ttl=60s thr=64 (= thr 0)" in text and text.count("ttl=60s") == 2
+    out = as_json(points, chosen, "ttft_p90")
+    assert [p["label"] for p in out["points"]].count("ttl=60s thr=0") == 0
+    assert out["points"][0]["same_results_as"] == ["ttl=60s thr=0"]
+
+
+def _tune(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "impl.cli", "tune", "--no-progress", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_tune_json_is_strict_states_the_workload_and_recommends_a_finite_ttl(tmp_path):
+    run = _tune("--conversations", "10", "--ttls", "0,120,3600", "--thresholds", "0,64", "--leases", "",
+                "--gap-quantiles", "", "--workers", "1", "--json", "--num-prefill", "2", "--num-decode", "3")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout, parse_constant=lambda name: pytest.fail(f"{name} in tune --json"))
+    assert out["workload"]["conversations"] == 10 and "Poisson stream at 0.05/s" in out["workload"]["description"]
+    rec = out["recommendation"]
+    ttl = rec["decode_kv_transfer_config"]["kv_connector_extra_config"].get("decoder_kv_blocks_ttl")
+    assert ttl is None or isinstance(ttl, (int, float))
+    assert rec["router_argv"].count("--prefill") == 1 and sum(a.startswith("http://P") for a in rec["router_argv"]) == 2
+    assert sum(a.startswith("http://D") for a in rec["router_argv"]) == 3
+    labels = [p["label"] for p in out["points"]]
+    assert len(labels) == len(set(labels))
+    for p in out["points"]:  # a collapsed label is gone from the list but named by its representative
+        for other in p["same_results_as"]:
+            assert other not in labels
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--max-retained-hbm-pct", "-3"], "--max-retained-hbm-pct must be in (0, 100]"),
+    (["--max-retained-hbm-pct", "nan"], "argument --max-retained-hbm-pct: invalid number value"),
+    (["--tolerance-pct", "inf"], "--tolerance-pct must be a finite number >= 0"),
+    (["--decode-hbm-gb", "0"], "--decode-hbm-gb must be a finite number > 0"),
+    (["--ttls", "inf"], "--ttls: inf must be a finite number"),
+    (["--ttls", "60,abc"], "--ttls: 'abc' is not a number"),
+    (["--leases", "-5"], "--leases: -5.0 must be a finite number of seconds > 0"),
+    (["--gap-quantiles", "1.5"], "--gap-quantiles: 1.5 must be in (0, 1]"),
+    (["--thresholds", "-1"], "--thresholds: threshold '-1' must be >= 0"),
+    (["--lease-s", "-1"], "lease_s must be a non-negative number"),
+    (["--conversations", "0"], "--conversations must be >= 1"),
+])
+def test_tune_rejects_bad_numbers_in_one_line_before_simulating(args, says):
+    run = _tune(*args)
+    assert run.returncode == 2, run.stdout[-500:]
+    assert says in run.stderr and len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
+
+
+def test_tune_plots_dir_that_cannot_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run = _tune("--plots", str(blocker / "sub"))
+    assert run.returncode == 2 and run.stderr.startswith("bidikv tune: error: --plots") and "Traceback" not in run.stderr

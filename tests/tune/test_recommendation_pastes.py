@@ -1,0 +1,182 @@
+"""Every configuration `bidikv tune` can recommend pastes: into vLLM (0.32 and 0.33 parse the
+--kv-transfer-config values), into our connector (its validator), into the deploy recipe
+(`bidikv deploy check`), and the router command starts with every P and D of the tuned topology.
+
+"Can recommend": every sweep point of the default grid (fixed TTLs, leases, gap quantiles, each with
+every threshold) and vLLM's default; the oracle and OFF are references, never recommended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+
+import pytest
+
+from impl.cli import main
+from impl.connector.config import ConnectorSettings
+from sim.tune.frontier import Point
+from sim.tune.grid import REFERENCES, build_grid
+from sim.tune.report import DECODE_HTTP_PORT, HEARTBEAT_PORT, recommendation_text, vllm_settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PROFILE = "qwen3-32b@p5en-tp8"
+TOPOLOGY = (2, 3)
+CANDIDATES = [*build_grid(), *(c for c in REFERENCES if c.kind == "default")]
+
+
+def _settings():
+    return [(c, vllm_settings(Point(c, {}), PROFILE, TOPOLOGY)) for c in CANDIDATES]
+
+
+def _pasted_configs(candidate) -> list[str]:
+    """The --kv-transfer-config values exactly as a shell passes them from the printed recommendation."""
+    text = recommendation_text(Point(candidate, {}), PROFILE, TOPOLOGY)
+    values = []
+    for line in text.splitlines():
+        if "--kv-transfer-config" in line:
+            argv = shlex.split(line.split(":", 1)[1])
+            values.append(argv[argv.index("--kv-transfer-config") + 1])
+    assert len(values) == 2, text
+    return values
+
+
+def test_the_grid_covers_every_retention_and_threshold():
+    kinds = {(c.policy.get("retention"), c.threshold) for c in CANDIDATES}
+    assert {r for r, _ in kinds} == {"ttl", "lease", "gap_quantile"}
+    assert {t for _, t in kinds} == {"0", "64", "256", "1024", "break_even"}
+
+
+def test_no_recommendation_carries_an_infinity_or_nan():
+    for c in CANDIDATES:
+        for value in _pasted_configs(c):
+            json.loads(value, parse_constant=lambda name: pytest.fail(f"{c.label}: {name} in {value}"))
+            assert '"inf' not in value.lower(), value
+
+
+def test_the_connector_validator_accepts_every_recommendation():
+    for c, s in _settings():
+        for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
+            ConnectorSettings.from_extra_config(s[side]["kv_connector_extra_config"])  # raises, naming the key
+
+
+def test_the_heartbeat_port_is_not_a_port_the_recipe_already_uses():
+    recipe = tomllib.loads((ROOT / "impl/deploy/deploy.toml").read_text())
+    used = {recipe[r][k] for r in ("prefill", "decode") for k in ("http_port", "side_channel_port")} | {recipe["router"]["port"]}
+    assert HEARTBEAT_PORT not in used and DECODE_HTTP_PORT == recipe["decode"]["http_port"]
+    leases = [s for c, s in _settings() if c.policy.get("retention") == "lease"]
+    assert leases and all(s["decode_kv_transfer_config"]["kv_connector_extra_config"]["bidikv_heartbeat_port"]
+                          == HEARTBEAT_PORT for s in leases)
+
+
+def _deploy_toml_with(connector: dict, path: pathlib.Path) -> pathlib.Path:
+    """The shipped recipe with the recommendation's [connector] keys set, as the printed hint says."""
+    text = (ROOT / "impl/deploy/deploy.toml").read_text()
+    head, rest = text.split("\n[connector]", 1)
+    _, tail = rest.split("\n[router]", 1)
+    table = dict(tomllib.loads(text)["connector"])
+    table.update(connector)
+    body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
+    path.write_text(f"{head}\n[connector]\n{body}\n[router]{tail}")
+    return path
+
+
+def test_deploy_check_accepts_every_recommendation(tmp_path, capsys):
+    seen = set()
+    for c, s in _settings():
+        key = json.dumps(s["deploy_connector"], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        path = _deploy_toml_with(s["deploy_connector"], tmp_path / f"deploy{len(seen)}.toml")
+        assert main(["deploy", "check", "--config", str(path)]) == 0, (c.label, capsys.readouterr())
+        out = capsys.readouterr().out
+        assert ": OK" in out, out
+    assert len(seen) > 10
+
+
+def _vllm_overlay_033() -> pathlib.Path:
+    # the same overlay tests/connector/test_vllm033.py installs and uses
+    overlay = pathlib.Path(os.environ.get("BIDIKV_VLLM033_OVERLAY") or pathlib.Path(sys.prefix) / "vllm033-overlay")
+    if not (overlay / "vllm" / "__init__.py").exists():
+        install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                                  "--no-deps", "--target", str(overlay), "vllm==0.33.0"], capture_output=True,
+                                 text=True, timeout=1800)
+        assert install.returncode == 0, install.stderr[-3000:]
+    return overlay
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_vllm_parses_every_recommendation(version):
+    values = [v for c in CANDIDATES for v in _pasted_configs(c)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if version == "0.33.0":
+        env["PYTHONPATH"] = os.pathsep.join([str(_vllm_overlay_033()), str(ROOT)])
+    run = subprocess.run([sys.executable, str(ROOT / "tests/tune/vllm_parse.py")], input=json.dumps(values), env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines[0] == {"vllm": version}
+    results = lines[1:]
+    assert len(results) == len(values)
+    for value, result in zip(values, results):
+        assert result["ok"], (value, result)
+        assert result["extra"] == json.loads(value)["kv_connector_extra_config"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_ttl_of_zero_is_recommended_as_bidirectional_off():
+    [(c, s)] = [(c, s) for c, s in _settings() if c.label == "ttl=0s thr=64"]
+    for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
+        assert s[side]["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
+    assert s["deploy_mode"] == "off" and "--decoder-kv-blocks-ttl-s" not in s["router_argv"]
+    assert "bidirectional transfer OFF" in recommendation_text(Point(c, {}), PROFILE, TOPOLOGY)
+
+
+@pytest.mark.parametrize("retention, ttl", [("ttl", 480.0), ("ttl", 0.0), ("lease", None), ("gap_quantile", None)])
+def test_the_router_command_starts_with_the_tuned_topology(retention, ttl):
+    c, s = next((c, s) for c, s in _settings() if c.policy.get("retention") == retention
+                and (ttl is None or c.policy["decoder_kv_blocks_ttl"] == ttl))
+    argv = shlex.split(s["router_command"])
+    assert argv == s["router_argv"] and argv[:2] == ["bidikv", "router"]
+    urls = [a for a in argv if a.startswith("http://")]
+    assert len([u for u in urls if "//P" in u]) == TOPOLOGY[0] and len([u for u in urls if "//D" in u]) == TOPOLOGY[1]
+    port = _free_port()
+    # the placeholders P0.., D0.. resolve nowhere: the router must start anyway and report them down
+    proc = subprocess.Popen([sys.executable, "-m", "impl.cli", *argv[1:], "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        health = None
+        while time.monotonic() < deadline and health is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    health = json.load(r)
+            except urllib.error.HTTPError as e:  # 503: up, no healthy instance
+                health = json.load(e)
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        assert health is not None, "router did not answer /health within 60 s"
+        assert health["prefill"]["total"] == TOPOLOGY[0] and health["decode"]["total"] == TOPOLOGY[1]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in out, out
+    if retention == "ttl" and ttl:
+        assert argv[argv.index("--decoder-kv-blocks-ttl-s") + 1] == "480"
