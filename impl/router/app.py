@@ -54,7 +54,8 @@ from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
-from impl.router.request import Endpoint, RequestError, parse_json_body, parse_turn
+from impl.router.request import (Endpoint, RequestError, check_context_budget, parse_json_body, parse_turn,
+                                 refuse_nested_kv_params)
 from impl.router.stores import MemoryStore, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
@@ -83,6 +84,11 @@ class Router:
         # the in-process store itself, for admin views and tests (None when the store is shared)
         self.store = self.conversations.store if isinstance(self.conversations, MemoryStore) else None
         self.hub = NotifyHub()
+        self.model_limits: dict[str, int] = {}  # model id -> max_model_len, learnt (config.max_model_len: 0)
+        self._limits_task: asyncio.Task | None = None
+        # what clients see in X-Bidikv-Prefill/-Decode instead of internal URLs (unless expose_upstream_urls)
+        self.public_names = {url: f"{role}-{i}" for role, urls in (("prefill", config.prefill), ("decode", config.decode))
+                             for i, url in enumerate(urls)}
         self.connections = ClientConnections(config.client_header_timeout_s, config.client_body_timeout_s,
                                              config.client_idle_timeout_s, config.max_client_connections,
                                              on_close=self.metrics.client_closed.inc)
@@ -116,8 +122,42 @@ class Router:
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()
         await self.heartbeats.start()
+        if not self.config.max_model_len:
+            self._limits_task = asyncio.get_running_loop().create_task(self._learn_model_limits())
+
+    def context_limit(self, model: object) -> int:
+        """The context length a request for ``model`` must fit in; 0 while unknown (vLLM then checks)."""
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        limits = self.model_limits
+        if not limits:
+            return 0
+        known = limits.get(model) if isinstance(model, str) else None
+        return known if known is not None else min(limits.values())  # an unknown name: vLLM will refuse it anyway
+
+    async def _learn_model_limits(self) -> None:
+        """Each model's max_model_len from an instance's /v1/models, retried until one answers."""
+        while not self.model_limits:
+            for upstream in [u for pool in (self.decode, self.prefill) for u in pool if u.healthy]:
+                try:
+                    async with self.session.get(upstream.base_url + "/v1/models", headers=self.upstream_headers,
+                                                timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as resp:
+                        listing = await resp.json(content_type=None) if resp.status == 200 else None
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    continue
+                models = listing.get("data") if isinstance(listing, dict) else None
+                for model in models if isinstance(models, list) else ():
+                    if isinstance(model, dict) and isinstance(model.get("id"), str) \
+                            and type(model.get("max_model_len")) is int and model["max_model_len"] > 0:
+                        self.model_limits[model["id"]] = model["max_model_len"]
+                if self.model_limits:
+                    log.info("context limits from %s: %s", upstream.name, self.model_limits)
+                    return
+            await asyncio.sleep(self.config.health_interval_s)
 
     async def stop(self) -> None:
+        if self._limits_task is not None:
+            self._limits_task.cancel()
         await self.heartbeats.stop()
         if self.prober is not None:
             await self.prober.stop()
@@ -126,6 +166,14 @@ class Router:
         if self.session is not None:
             await self.session.close()
         await self.conversations.close()
+
+    async def name_upstreams(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Internal URLs out of the turn's headers: the proxy names instances by URL, clients get names."""
+        headers = response.headers
+        for header in ("X-Bidikv-Prefill", "X-Bidikv-Decode"):
+            url = headers.get(header)
+            if url is not None:
+                headers[header] = self.public_names.get(url, "unknown")
 
     def set_bound_port(self, host: str, port: int) -> None:
         """Derive the notify URL once the listening port is known (unless configured)."""
@@ -149,9 +197,14 @@ class Router:
             if tenant is None:
                 response = unauthenticated_response()
             else:
-                body = parse_json_body(await self.connections.read_body(request))
+                raw = await self.connections.read_body(request)
+                body = parse_json_body(raw)
+                refuse_nested_kv_params(body, raw)
                 turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len,
                                   header_session_id=request.headers.get("X-Session-ID"))
+                limit = self.context_limit(turn.body.get("model"))
+                if limit:
+                    check_context_budget(turn, limit)
                 if self.config.tenant_cache_salt and not self.tenants.open:
                     turn.body["cache_salt"] = cache_salt_for(tenant, _client_cache_salt(turn.body))
                 response = await self.proxy.handle(request, turn, tenant, t0)
@@ -290,6 +343,8 @@ def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Map
     app.router.add_get("/metrics", router.metrics_endpoint)
     app.router.add_post(NOTIFY_PATH, router.kv_params)
     app.router.add_post(HEARTBEAT_ROUTE, router.heartbeats.handle)
+    if not config.expose_upstream_urls:
+        app.on_response_prepare.append(router.name_upstreams)
 
     async def lifecycle(_app: web.Application):
         await router.start()

@@ -48,6 +48,10 @@ class RouterConfig:
     client_idle_timeout_s: float = 30.0
     max_client_connections: int = 4096
     max_conversation_id_len: int = 256
+    # 0: learnt from the instances' /v1/models (vLLM reports each model's max_model_len); a request
+    # asking for more is refused here instead of reaching P and D
+    max_model_len: int = 0
+    expose_upstream_urls: bool = False  # debug: X-Bidikv-Prefill/-Decode carry URLs instead of instance names
     placement: str = "round_robin"
     seed: int = 0  # placement tie-breaking
     health_interval_s: float = 2.0
@@ -87,6 +91,8 @@ class RouterConfig:
         for name in ("max_conversations", "max_body_bytes", "max_conversation_id_len", "health_failures_to_down"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.max_client_connections < 1:
             raise ValueError(f"max_client_connections must be >= 1, got {self.max_client_connections}")
         for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s"):
@@ -140,6 +146,10 @@ FLAG_HELP: dict[str, str] = {
     "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
                               "file-descriptor limit is raised to fit)",
     "max_conversation_id_len": "longest conversation_id accepted",
+    "max_model_len": "longest context (prompt + max_tokens) a request may ask for, refused with 400 beyond it; "
+                     "0: learn each model's max_model_len from the instances' /v1/models",
+    "expose_upstream_urls": "debug: name P and D by URL in X-Bidikv-Prefill/X-Bidikv-Decode (default: instance names "
+                            "prefill-N/decode-N, so clients do not learn internal addresses)",
     "placement": "how P and D instances are chosen",
     "seed": "seed of placement tie-breaking",
     "health_interval_s": "seconds between health probes of each upstream",

@@ -193,6 +193,42 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
     return TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
 
 
+_MAY_SPELL_PARAMS = re.compile(rb"(?i:kv_transfer)|\\u")
+
+
+def refuse_nested_kv_params(body: dict[str, Any], raw: bytes) -> None:
+    """``kv_transfer_params`` anywhere in the body (``vllm_xargs.kv_transfer_params``, inside a message
+    ...): vLLM merges some of those places into what its connector reads, so every one is refused like
+    the top-level field. Skipped when the raw text cannot spell the key (no fragment of it, no escape)."""
+    if _MAY_SPELL_PARAMS.search(raw) is None:
+        return
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                where = f"{path}.{key}" if path else key
+                if key.casefold() == "kv_transfer_params":
+                    raise RequestError(where, "is set by the router; clients must not send it, at any depth")
+                if isinstance(value, (dict, list)):
+                    stack.append((where, value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+
+
+def check_context_budget(turn: "TurnRequest", max_model_len: int) -> None:
+    """Refuse what no instance can serve: ``max_tokens`` (or ``max_completion_tokens``) beyond the
+    model's context, or token ids that with it exceed the context."""
+    prompt_len = len(turn.body["prompt"]) if turn.prompt_kind == "tokens" else 0
+    if prompt_len >= max_model_len:
+        raise RequestError("prompt", f"{prompt_len} tokens leave no room in the model's context of {max_model_len}")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = turn.body.get(name)
+        if type(value) is int and prompt_len + value > max_model_len:
+            what = f"{value}" if not prompt_len else f"{value} (+ {prompt_len} prompt tokens)"
+            raise RequestError(name, f"{what} exceeds the model's context of {max_model_len} tokens")
+
+
 def _conversation_id(from_body: Any, from_header: str | None, max_len: int, field: str = "conversation_id",
                      header: str = "X-Conversation-Id") -> str | None:
     if from_body is not None and not isinstance(from_body, str):

@@ -70,6 +70,7 @@ class FakeVllmUpstream:
     notify_delay_s: float = 0.0
     notify_token_override: str | None = None
     healthy: bool = True
+    max_model_len: int | None = None  # reported by /v1/models, as vLLM does
     drop_reused: int = 0  # close this many requests that arrive on an already used connection, unanswered
     _peers: set = field(default_factory=set)
     received: list[Received] = field(default_factory=list)
@@ -115,7 +116,10 @@ class FakeVllmUpstream:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        model: dict[str, Any] = {"id": "fake-model", "object": "model"}
+        if self.max_model_len is not None:
+            model["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [model]})
 
     def _is_prefill_request(self, body: dict[str, Any]) -> bool:
         params = body.get("kv_transfer_params") or {}

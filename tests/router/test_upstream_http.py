@@ -593,7 +593,8 @@ async def _router_first_read(upstream_url: str) -> tuple[bytes, float, bytes]:
     from impl.router.tenants import Tenants
 
     config = build_config(overrides={"prefill": [upstream_url], "decode": [upstream_url], "host": "127.0.0.1", "port": 0,
-                                     "health_interval_s": 60.0, "notify": False})
+                                     "health_interval_s": 60.0, "notify": False,
+                                     "max_model_len": 4096})  # no /v1/models probe to the scripted server
     app = build_app(config, tenants=Tenants.load(None, "KEYS", {}), environ={})
     runner, port = await start_site(app, "127.0.0.1", 0)
     try:
