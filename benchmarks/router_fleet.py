@@ -10,9 +10,11 @@ the closed-loop load generator sending 5-turn chat conversations with ``conversa
    ``reuse_hits_total`` / turns that could hit (turns 2-5). Upstream answers are instant, so the
    concurrency makes turns race their own previous turn's store only as a real client would (never:
    a client sends turn k+1 after turn k's [DONE]).
-2. **added TTFT** -- one router, c=1, in-memory vs Redis, alternating, each ``--reps`` times; router pinned
-   to core 0 as in router_overhead.py (Redis, upstream and load generator share core 1). The difference
-   of the p50s (and p99s) is what the store costs a turn: one Redis round trip for the lookup.
+2. **added TTFT** -- two routers pinned to core 0 (one in-memory, one on Redis), c=1, the load generator
+   sending one turn to each in turn, ``--reps`` windows: both see the same background load (on this
+   shared machine it moves more than the store does). The difference of the p50s (and p99s) over
+   turns 2-5 is what the store costs a turn: one Redis round trip for the lookup (its write happens at
+   the end of D's stream: "added to the end").
 3. **Redis restart** -- two routers on Redis, c=4 round robin; Redis SIGKILLed at ``--kill-at`` s and
    started again (same port) ``--down-s`` later. Per half second: turns answered, turns failed (non-200
    or an SSE error), turns offered reuse; and how long after Redis answers PING again the first turn is
@@ -257,25 +259,53 @@ def part_hits(bed: Bed, duration: float, concurrency: int) -> None:
             bed.stop(proc)
 
 
+async def paired(ports: list[int], duration: float) -> list[list[tuple[float, float]]]:
+    """c=1, one turn to each router in turn (each with its own 5-turn conversations): both see the
+    same background load, which on this shared machine moves more than the store does."""
+    stop_at = time.perf_counter() + duration
+    clients = [Client(p) for p in ports]
+    samples: list[list[tuple[float, float]]] = [[] for _ in ports]
+    state = [None] * len(ports)  # (cid, messages, turn) per router
+    n = 0
+    try:
+        while time.perf_counter() < stop_at:
+            for i, client in enumerate(clients):
+                if state[i] is None or state[i][2] == TURNS:
+                    n += 1
+                    cid = f"paired{i}-{n}-{os.getpid()}-{time.time_ns()}"
+                    state[i] = (cid, [{"role": "user", "content": f"[{cid}] hello, this is turn 0 of a benchmark conversation"}], 0)
+                cid, messages, turn = state[i]
+                body = json.dumps({"model": "bench", "messages": messages, "stream": True, "max_tokens": CHUNKS,
+                                   "conversation_id": cid}).encode()
+                t, total, status, _, data = await client.post("/v1/chat/completions", body)
+                if status == 200 and b"[DONE]" in data and turn > 0:  # turns 2-5: the lookup hits
+                    samples[i].append((t, total))
+                state[i] = (cid, messages + [{"role": "assistant", "content": ANSWER},
+                                             {"role": "user", "content": f"turn {turn + 1}, please continue"}], turn + 1)
+    finally:
+        for c in clients:
+            c.close()
+    return samples
+
+
 def part_ttft(bed: Bed, duration: float, reps: int) -> None:
-    print(f"\n== added TTFT of the shared store: one router, c=1, {duration:.0f} s windows ==")
-    print("rep | store  | turns | TTFT p50 ms | TTFT p99 ms | total p50 ms | load")
-    rows = {}
+    print(f"\n== added TTFT of the shared store: two routers (in-memory, Redis) on core 0, c=1, turns alternating "
+          f"between them, {duration:.0f} s windows; turns 2-5 (store hits) ==")
+    print("rep | turns each | memory TTFT p50 / p99 ms | Redis TTFT p50 / p99 ms | added p50 / p99 ms | added to the end p50 ms | load")
     for rep in range(reps):
-        for label, store in (("memory", "memory"), ("redis", bed.redis.url)):
-            bed.prefix_n = (bed.prefix_n // 100 + 1) * 100
-            proc, port = bed.router(store, core=0)
-            asyncio.run(conversations([port], 1, 2.0))  # warm-up: connections, scripts loaded, caches
-            res = asyncio.run(conversations([port], 1, duration))
-            rows[(rep, label)] = res
-            print(f"{rep:>3} | {label:<6} | {res['turns']:>5} | {res['ttft_p50_ms']:>11.3f} | {res['ttft_p99_ms']:>11.3f}"
-                  f" | {res['total_p50_ms']:>12.3f} | {load_average():.2f}", flush=True)
+        bed.prefix_n = (bed.prefix_n // 100 + 1) * 100
+        routers = [bed.router("memory", core=0), bed.router(bed.redis.url, core=0)]
+        ports = [p for _, p in routers]
+        asyncio.run(paired(ports, 2.0))  # warm-up: connections, scripts loaded
+        mem, red = asyncio.run(paired(ports, duration))
+        mt, rt = [t for t, _ in mem], [t for t, _ in red]
+        me, re_ = [e for _, e in mem], [e for _, e in red]
+        print(f"{rep:>3} | {min(len(mem), len(red)):>10} | {pct(mt, .5) * 1e3:>10.3f} / {pct(mt, .99) * 1e3:<11.3f} |"
+              f" {pct(rt, .5) * 1e3:>9.3f} / {pct(rt, .99) * 1e3:<11.3f} | {(pct(rt, .5) - pct(mt, .5)) * 1e3:>+7.3f} /"
+              f" {(pct(rt, .99) - pct(mt, .99)) * 1e3:<+8.3f} | {(pct(re_, .5) - pct(me, .5)) * 1e3:>+23.3f} | {load_average():.2f}",
+              flush=True)
+        for proc, _ in routers:
             bed.stop(proc)
-    for rep in range(reps):
-        m, r = rows[(rep, "memory")], rows[(rep, "redis")]
-        print(f"rep {rep}: Redis adds {r['ttft_p50_ms'] - m['ttft_p50_ms']:+.3f} ms p50, "
-              f"{r['ttft_p99_ms'] - m['ttft_p99_ms']:+.3f} ms p99 per turn; "
-              f"{r['total_p50_ms'] - m['total_p50_ms']:+.3f} ms p50 to the answer's end (with the store's write)")
 
 
 def part_restart(bed: Bed, kill_at: float, down_s: float, total_s: float) -> None:
