@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sim.tune.grid import Candidate
 
@@ -35,7 +35,9 @@ def _pct(value: float, oracle: float) -> float:
 
 
 def analyse(candidates: Sequence[Candidate], metrics: Sequence[dict[str, Any]], objective: str,
-            max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float) -> tuple[list[Point], Point | None]:
+            max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
+            eligible: Callable[[Candidate], bool] | None = None) -> tuple[list[Point], Point | None]:
+    """Points measured against the references; the recommendation among ``eligible`` sweep points (all by default)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {objective!r}")
     points = [Point(c, m) for c, m in zip(candidates, metrics)]
@@ -60,13 +62,16 @@ def analyse(candidates: Sequence[Candidate], metrics: Sequence[dict[str, Any]], 
         p.on_frontier = not any(
             (q.metrics[key] <= a and q.metrics["retained_hbm_gb_s"] <= b)
             and (q.metrics[key] < a or q.metrics["retained_hbm_gb_s"] < b) for q in sweep)
-    feasible = [p for p in sweep if p.feasible]
+    feasible = [p for p in sweep if p.feasible and (eligible is None or eligible(p.candidate))]
     if not feasible:
         return points, None
     best = min(p.metrics[key] for p in feasible)
     # within tolerance of the best objective, the one that pins the least HBM; on a tie vLLM's default
     # threshold (what a user already runs), then the simpler label
     near = [p for p in feasible if p.metrics[key] <= best * (1 + tolerance_pct / 100.0) + 1e-9]
+    # (a lease ties a fixed TTL of its length when clients do not heartbeat: then the TTL, which needs
+    # neither our connector nor heartbeating clients)
     chosen = min(near, key=lambda p: (p.metrics["retained_hbm_gb_s"], p.metrics[key],
+                                      p.candidate.policy.get("retention") == "lease",
                                       p.candidate.threshold != VLLM_DEFAULT_THRESHOLD, p.candidate.label))
     return points, chosen

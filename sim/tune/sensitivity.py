@@ -45,6 +45,14 @@ class Outcome:
         return next((p for p in self.points if p.candidate.label == label), None)
 
 
+@dataclass
+class Tuning:
+    main: Outcome  # the recommendation: for the stated behaviour, or the safe worst case
+    per_behaviour: dict[str, Outcome]
+    tuned_ttl: Outcome  # fixed TTLs only: what a lease has to beat (reads no heartbeat)
+    best_lease: dict[str, Outcome]  # leases only, per behaviour
+
+
 def depends_on_clients(candidate: Candidate) -> bool:
     return candidate.policy.get("retention") == "lease"
 
@@ -77,8 +85,8 @@ def worst_case(metrics: Sequence[dict[str, Any]], objective_key: str) -> dict[st
 def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
                            run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
                            objective: str, max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
-                           stated: str | None) -> tuple[Outcome, dict[str, Outcome], Outcome]:
-    """(the recommendation's outcome, one outcome per behaviour, the best fixed TTL's outcome)."""
+                           stated: str | None) -> Tuning:
+    """Simulate the grid (leases once per behaviour) and analyse it per behaviour, safe, TTL-only, lease-only."""
     configs: list[SimConfig] = []
     overrides: list[dict[str, Any]] = []
     index: list[dict[str, int]] = []  # per candidate: behaviour (or '*') -> job
@@ -108,20 +116,24 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
         worst = [worst_case(group, key) for group in zip(*(metrics_for(b) for b in SAFE_UNDER))]
         points, chosen = analyse(candidates, worst, objective, max_retained_hbm_pct, decode_hbm_gb, tolerance_pct)
         main = Outcome(UNSTATED, points, chosen)
-    ttl_only = [i for i, c in enumerate(candidates)
-                if c.kind != "sweep" or c.policy.get("retention") == "ttl"]
-    points, chosen = analyse([candidates[i] for i in ttl_only], [metrics_for("never")[i] for i in ttl_only], objective,
-                             max_retained_hbm_pct, decode_hbm_gb, tolerance_pct)
-    return main, analysed, Outcome("fixed TTL", points, chosen)
+    def subset(keep: Callable[[Candidate], bool], behaviour: str) -> Outcome:
+        # the references stay in (analyse measures every point against them) but are not a choice
+        points_, best = analyse(candidates, metrics_for(behaviour), objective, max_retained_hbm_pct, decode_hbm_gb,
+                                tolerance_pct, eligible=lambda c: c.kind == "sweep" and keep(c))
+        return Outcome(behaviour, points_, best)
+
+    tuned_ttl = subset(lambda c: c.policy.get("retention") == "ttl", "never")
+    best_lease = {b: subset(depends_on_clients, b) for b in RENEWAL_BEHAVIOURS}
+    return Tuning(main, analysed, tuned_ttl, best_lease)
 
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def sensitivity_rows(main: Outcome, per_behaviour: dict[str, Outcome], tuned_ttl: Outcome,
-                     objective: str) -> list[dict[str, Any]]:
+def sensitivity_rows(tuning: Tuning, objective: str) -> list[dict[str, Any]]:
     key = OBJECTIVES[objective]
+    main = tuning.main
     label = main.chosen.candidate.label if main.chosen else None
 
     def figures(p: Point | None) -> dict[str, Any]:
@@ -133,31 +145,50 @@ def sensitivity_rows(main: Outcome, per_behaviour: dict[str, Outcome], tuned_ttl
 
     rows = []
     for behaviour in RENEWAL_BEHAVIOURS:
-        o = per_behaviour[behaviour]
+        o = tuning.per_behaviour[behaviour]
         rows.append({"client_renewal": behaviour, "recommended_for_it": figures(o.chosen),
+                     "best_lease_under_it": figures(tuning.best_lease[behaviour].chosen),
                      "recommendation_under_it": figures(o.point(label)) if label else {}})
-    rows.append({"client_renewal": "any (no heartbeat read)", "recommended_for_it": figures(tuned_ttl.chosen),
-                 "recommendation_under_it": {}, "note": "best fixed TTL"})
+    rows.append({"client_renewal": "any (no heartbeat read)", "recommended_for_it": figures(tuning.tuned_ttl.chosen),
+                 "best_lease_under_it": {}, "recommendation_under_it": {}, "note": "best fixed TTL"})
     return rows
+
+
+def lease_points(tuning: Tuning) -> dict[str, list[dict[str, Any]]]:
+    """Every lease candidate's figures under each behaviour (the sensitivity rows show only the chosen)."""
+    out = {}
+    for behaviour, outcome in tuning.per_behaviour.items():
+        out[behaviour] = [{"label": p.candidate.label, **{k: p.metrics[k] for k in (*OBJECTIVES.values(), "heartbeats",
+                                                                                    "retained_hbm_gb_s")},
+                           "compute_saving_pct_of_oracle": p.compute_saving_pct_of_oracle,
+                           "ttft_saving_pct_of_oracle": p.ttft_saving_pct_of_oracle, "hbm_vs_default": p.hbm_vs_default,
+                           "mean_retained_hbm_gb": p.mean_retained_hbm_gb, "feasible": p.feasible}
+                          for p in outcome.points if depends_on_clients(p.candidate)]
+    return out
 
 
 def sensitivity_table(rows: Sequence[dict[str, Any]], main: Outcome, objective: str) -> str:
     label = main.chosen.candidate.label if main.chosen else "none"
     who = ("for the stated client behaviour" if main.behaviour != UNSTATED
-           else "safe under never and while_open (the worse of the two per figure)")
+           else "safe under never and while_open: the worse of the two per figure")
+    figs = f"{objective:>9}{'comp%':>7}{'TTFT%':>7}{'vs 480s':>8}"
+
+    def cells(f: dict[str, Any], width: int) -> str:
+        if not f:
+            return f"{'-':<{width}}{'':>31}"
+        return (f"{f['label']:<{width}}{_f(f.get(objective), ',.0f'):>9}{_f(f['compute_saving_pct_of_oracle'], '.1f'):>7}"
+                f"{_f(f['ttft_saving_pct_of_oracle'], '.1f'):>7}{_f(f['hbm_vs_default'], '.2f'):>8}"
+                + ("" if f.get("feasible", True) else "!"))
+
     lines = [f"client renewal sensitivity (recommended: {label}, {who}; --client-renewal states a behaviour)",
-             f"{'client renewal':<24}{'recommended for it':<26}{objective:>9}{'compute%':>9}{'TTFT%':>7}{'vs 480s':>8}"
-             f"  |{'recommended, under it:':>23}{objective:>9}{'compute%':>9}{'vs 480s':>8}"]
+             f"{'client renewal':<24}{'recommended for it':<24}{figs} | {'best lease for it':<24}{figs}"
+             f" | {'the recommendation, under it':>28}{figs}"]
     for row in rows:
-        a, b = row["recommended_for_it"], row["recommendation_under_it"]
         name = row["client_renewal"] + (" (bound)" if row["client_renewal"] == "until_next_turn" else "")
-        left = (f"{name:<24}{a.get('label', 'none'):<26}"
-                f"{_f(a.get(objective), ',.0f'):>9}{_f(a.get('compute_saving_pct_of_oracle'), '.1f'):>9}"
-                f"{_f(a.get('ttft_saving_pct_of_oracle'), '.1f'):>7}{_f(a.get('hbm_vs_default'), '.2f'):>8}")
-        right = "" if not b else (f"  |{'':>23}{_f(b.get(objective), ',.0f'):>9}"
-                                  f"{_f(b.get('compute_saving_pct_of_oracle'), '.1f'):>9}{_f(b.get('hbm_vs_default'), '.2f'):>8}"
-                                  + ("" if b.get("feasible", True) else " over budget"))
-        lines.append(left + right)
-    lines.append("(%: share of the oracle's saving over bidirectional OFF; vs 480s: retained HBM*s relative to vLLM's "
-                 "default; until_next_turn knows the future and bounds what any client achieves)")
+        under = row["recommendation_under_it"]
+        lines.append(f"{name:<24}{cells(row['recommended_for_it'], 24)} | {cells(row['best_lease_under_it'], 24)}"
+                     + (f" | {'':>28}{cells(under, 0)[len(under.get('label', '')):]}" if under else ""))
+    lines.append("(comp% / TTFT%: share of the oracle's compute / mean-TTFT saving over bidirectional OFF; vs 480s: "
+                 "retained HBM*s relative to vLLM's default; ! over the HBM budget; '-' none within budget; "
+                 "until_next_turn knows the future and bounds what any client achieves)")
     return "\n".join(lines)

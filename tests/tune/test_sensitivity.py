@@ -61,22 +61,24 @@ def test_leases_run_once_per_behaviour_everything_else_once():
 
 
 def test_stated_behaviour_decides_and_unstated_is_safe_under_never_and_while_open():
-    main_, per, ttl = _tune("until_next_turn")
-    assert main_.chosen.candidate.label == "lease=30s"  # 100 ms, best when clients know the future
-    assert _tune("never")[0].chosen.candidate.label == "ttl=60s"  # 120 ms beats the lapsed lease's 190
-    assert _tune("while_open")[0].chosen.candidate.label == "lease=30s"  # 105 ms
-    safe, per, ttl = _tune(None)
+    assert _tune("until_next_turn").main.chosen.candidate.label == "lease=30s"  # 100 ms, best knowing the future
+    assert _tune("never").main.chosen.candidate.label == "ttl=60s"  # 120 ms beats the lapsed lease's 190
+    assert _tune("while_open").main.chosen.candidate.label == "lease=30s"  # 105 ms
+    tuning = _tune(None)
+    safe, ttl = tuning.main, tuning.tuned_ttl
     assert safe.behaviour == UNSTATED
     assert safe.chosen.candidate.label == "ttl=60s"  # the lease's worst case is never's 190 ms
     assert safe.point("lease=30s").metrics["ttft_p90_ms"] == 190.0 and safe.point("lease=30s").metrics["retained_hbm_gb_s"] == 200.0
     assert ttl.chosen.candidate.label == "ttl=60s"
-    rows = sensitivity_rows(safe, per, ttl, "ttft_p90")
+    rows = sensitivity_rows(tuning, "ttft_p90")
     by = {r["client_renewal"]: r for r in rows}
     assert by["while_open"]["recommended_for_it"]["label"] == "lease=30s"
     assert by["while_open"]["recommendation_under_it"]["label"] == "ttl=60s"
     # % of the oracle's compute saving, by hand: (100 - 15) / (100 - 0)
     assert by["while_open"]["recommended_for_it"]["compute_saving_pct_of_oracle"] == pytest.approx(85.0)
     assert by["never"]["recommended_for_it"]["hbm_vs_default"] == pytest.approx(0.5)  # 300 / 600
+    # what a lease buys: under never the best lease is still the lapsed one, worse than the TTL
+    assert by["never"]["best_lease_under_it"]["ttft_p90"] == 190.0
 
 
 def test_worst_case_takes_each_figure_from_the_worse_behaviour():
@@ -90,8 +92,9 @@ def test_on_a_real_simulation_the_safe_choice_is_feasible_under_both():
     cfg.workload = {"kind": "synthetic", "num_conversations": 12, "arrival_rate_per_s": 0.05}
     candidates = [*build_grid([0.0, 60.0, 480.0], ["64"], [30.0, 120.0], []), *REFERENCES]
     run = lambda cfgs, pols: run_points(cfgs, pols, executor="serial", progress=False)  # noqa: E731
-    safe, per, _ = tune_across_behaviours(cfg, candidates, run, "ttft_p90", max_retained_hbm_pct=2.0,
-                                          decode_hbm_gb=1000.0, tolerance_pct=1.0, stated=None)
+    tuning = tune_across_behaviours(cfg, candidates, run, "ttft_p90", max_retained_hbm_pct=2.0,
+                                    decode_hbm_gb=1000.0, tolerance_pct=1.0, stated=None)
+    safe, per = tuning.main, tuning.per_behaviour
     label = safe.chosen.candidate.label
     for behaviour in ("never", "while_open"):
         p = per[behaviour].point(label)
@@ -109,6 +112,7 @@ def test_cli_states_the_behaviour_from_the_flag_or_the_toml(tmp_path, capsys):
     assert out["client_renewal"] == "never"
     rows = {r["client_renewal"]: r for r in out["client_renewal_sensitivity"]}
     assert set(rows) == {*RENEWAL_BEHAVIOURS, "any (no heartbeat read)"}
+    assert {p["label"] for p in out["client_renewal_lease_points"]["while_open"]} == {"lease=30s thr=64"}
     assert out["recommendation"]["label"] == rows["never"]["recommended_for_it"]["label"]
     toml = tmp_path / "c.toml"
     toml.write_text("[clients]\nclient_renewal = 'tool_calls'\n")
@@ -116,3 +120,14 @@ def test_cli_states_the_behaviour_from_the_flag_or_the_toml(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["client_renewal"] == "tool_calls"
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["client_renewal"] == UNSTATED
+
+
+def test_a_lease_that_ties_a_fixed_ttl_loses_the_tie():
+    from sim.tune.frontier import analyse
+
+    # what a lease of 60 s is when clients never heartbeat: the same turns as a TTL of 60 s
+    lease = Candidate("lease=60s", {"retention": "lease", "lease_s": 60.0, "heartbeat_interval_s": 20.0})
+    metrics = [FAKE[("ttl", "*")], FAKE[("ttl", "*")], FAKE[("off", "*")], FAKE[("default", "*")], FAKE[("oracle", "*")]]
+    for order in ([lease, TTL], [TTL, lease]):
+        _, chosen = analyse([*order, *REFERENCES], metrics, "ttft_p90", 100.0, 10.0, 1.0)
+        assert chosen.candidate is TTL
