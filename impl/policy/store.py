@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -65,11 +66,50 @@ class StoreStats:
 
 Key = tuple[str, str]
 
+# What one entry costs besides its params, measured with tracemalloc on CPython 3.11: the entry
+# object, its slots in the OrderedDict, the expiry wheel, the per-id tenant counter and the key tuple.
+_ENTRY_OVERHEAD_BYTES = 400
+
+
+def _approx_bytes(value: Any) -> int:
+    """Bytes ``value`` holds, estimated cheaply: D's block id lists (nearly all of an entry) are sized
+    from their length, not walked element by element (an int from json is 28 bytes, 32 allocated)."""
+    t = type(value)
+    if t is int:
+        return 32 if not -5 <= value <= 256 else 0
+    if t is str or t is float or t is bytes:
+        return sys.getsizeof(value)
+    if t is list or t is tuple:
+        size = sys.getsizeof(value)
+        if len(value) > 8 and type(value[0]) is int and type(value[-1]) is int:
+            return size + 32 * len(value)  # D's ids: homogeneous ints
+        return size + sum(_approx_bytes(v) for v in value)
+    if t is dict:
+        return sys.getsizeof(value) + sum(_approx_bytes(k) + _approx_bytes(v) for k, v in value.items())
+    if value is None or t is bool:
+        return 0
+    return sys.getsizeof(value)
+
+
+def entry_bytes(key: Key, entry: ConversationEntry) -> int:
+    """What storing ``entry`` under ``key`` costs in memory (the store's byte bound counts this)."""
+    params = entry.kv_params if type(entry.kv_params) is dict else dict(entry.kv_params)
+    return (_ENTRY_OVERHEAD_BYTES + _approx_bytes(key[0]) + _approx_bytes(key[1]) + _approx_bytes(entry.decode_instance)
+            + _approx_bytes(params) + _approx_bytes(entry.held_digest))
+
 
 class ConversationStore:
-    def __init__(self, max_entries: int = 100_000, expiry_margin_s: float = DEFAULT_EXPIRY_MARGIN_S, bucket_s: float = 1.0) -> None:
+    def __init__(self, max_entries: int = 100_000, expiry_margin_s: float = DEFAULT_EXPIRY_MARGIN_S, bucket_s: float = 1.0,
+                 max_bytes: int | None = None) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        # An entry grows with D's remote_block_ids (~80 KB at 2,000 blocks), so a bound in entries
+        # alone is no memory bound: both hold, LRU eviction serves whichever is exceeded.
+        self.max_bytes = max_bytes
+        self.bytes = 0  # sum of entry_bytes over the live entries
+        self._sizes: dict[Key, int] = {}
         if not (expiry_margin_s >= 0 and math.isfinite(expiry_margin_s)):
             raise ValueError(f"expiry_margin_s must be a finite number >= 0, got {expiry_margin_s}")
         if not (bucket_s > 0 and math.isfinite(bucket_s)):
@@ -124,7 +164,10 @@ class ConversationStore:
         self._entries[key] = entry
         self._tenants_per_id[conversation_id] += 1
         self._wheel.setdefault(self._bucket(self._usable_until(entry)), {})[key] = entry
-        while len(self._entries) > self.max_entries:
+        size = self._sizes[key] = entry_bytes(key, entry)
+        self.bytes += size
+        while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes
+                                                        and self._entries):
             old_key = next(iter(self._entries))
             self._remove(old_key, MissReason.EVICTED)
             self.stats.evictions += 1
@@ -144,6 +187,7 @@ class ConversationStore:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        self.bytes -= self._sizes.pop(key, 0)
         bucket_index = self._bucket(self._usable_until(entry))
         bucket = self._wheel.get(bucket_index)
         if bucket is not None:

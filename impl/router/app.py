@@ -103,6 +103,7 @@ class Router:
         self.proxy: TurnProxy | None = None
         m = self.metrics
         m.store_entries.read = lambda: {(): float(len(self.conversations))}
+        m.store_bytes.read = lambda: {(): float(self.store.bytes if self.store is not None else 0)}
         m.store_evictions.read = lambda: {(): float(self.conversations.evictions)}  # Redis: this replica's evictions
         m.upstream_healthy.read = lambda: {(u.name, u.role): float(u.healthy) for p in (self.prefill, self.decode) for u in p}
         m.upstream_in_flight.read = lambda: {(u.name, u.role): float(u.in_flight) for p in (self.prefill, self.decode) for u in p}

@@ -35,6 +35,10 @@ class RouterConfig:
     open_metrics: bool = False
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)
+    # ...and in bytes: an entry grows with D's block ids (~80 KB at 2,000 blocks, 32k tokens), so
+    # 100k entries could take ~8 GB. 512 MiB keeps a router on a 2 GB VM; ~6.5k conversations of
+    # 32k tokens, or the 100k bound first for short ones (~2 KB each)
+    max_store_bytes: int = 512 * 1024 * 1024
     max_body_bytes: int = 8 * 1024 * 1024
     # Client connections (impl.router.connections says why each exists). A head is a few hundred
     # bytes: 10 s is generous on any link and bounds a slowloris head. 30 s for the whole body: a
@@ -88,7 +92,7 @@ class RouterConfig:
             raise ValueError(f"loop must be auto, asyncio or uvloop, got {self.loop!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_conversations", "max_body_bytes", "max_conversation_id_len", "health_failures_to_down"):
+        for name in ("max_conversations", "max_store_bytes", "max_body_bytes", "max_conversation_id_len", "health_failures_to_down"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 0:
@@ -136,6 +140,8 @@ FLAG_HELP: dict[str, str] = {
                     "every tenant's traffic: a tenant who can read them learns about the others)",
     "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
     "max_conversations": "conversation store bound (LRU eviction beyond it)",
+    "max_store_bytes": "conversation store bound in bytes, as counted per entry (D's block ids are most of it; "
+                       "LRU eviction beyond it). In-process store only: size Redis with its own maxmemory",
     "max_body_bytes": "largest request body accepted (413 beyond it)",
     "client_header_timeout_s": "a client must send a whole request head within this many seconds of connecting "
                                "(or of the first byte of its next request); then 408 and close. Bounds slowloris",

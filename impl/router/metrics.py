@@ -164,6 +164,8 @@ class RouterMetrics:
         self.stream_errors = r.add(Counter(p + "client_stream_errors_total", "Error events sent to streaming clients, by cause.", ("cause",)))
         self.store_evictions = r.add(Gauge(p + "store_evictions_total", "Conversations evicted by the store's LRU bound.", kind="counter"))
         self.store_entries = r.add(Gauge(p + "store_entries", "Conversations currently in the store."))
+        self.store_bytes = r.add(Gauge(p + "store_bytes", "Bytes the in-process store counts for its entries "
+                                       "(bounded by max_store_bytes)."))
         self.upstream_healthy = r.add(Gauge(p + "upstream_healthy", "1 if the instance passes health probes.", ("instance", "role")))
         self.upstream_in_flight = r.add(Gauge(p + "upstream_in_flight", "Requests in flight per instance.", ("instance", "role")))
         self.client_connections = r.add(Gauge(p + "client_connections", "Client connections open now."))

@@ -162,7 +162,8 @@ def open_store(config: Any, environ: dict[str, str] | Any) -> RouterStore:
     """The store ``config.store`` names (impl.router.config.RouterConfig). Replicas sharing a Redis
     store should share ``--max-conversations`` too: the bound is enforced by whichever one stores."""
     if config.store == "memory":
-        return MemoryStore(ConversationStore(max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s))
+        return MemoryStore(ConversationStore(max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s,
+                                             max_bytes=config.max_store_bytes))
     from impl.router.store_redis import RedisStore  # the redis client is imported only when used
 
     return RedisStore.from_url(config.store, password=environ.get(config.store_password_env) or None,
