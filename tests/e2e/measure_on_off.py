@@ -30,7 +30,7 @@ from pathlib import Path
 
 from impl.bench.records import read_jsonl
 from tests.e2e.deployment import REPO, DeploymentSpec, start_deployment
-from tests.e2e.tiny_model import _vocab, build_tiny_model
+from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE, build_tiny_model
 
 WORKLOAD_TOML = """\
 seed = {seed}
@@ -49,8 +49,8 @@ output_tokens = {{ kind = "constant", value = 96 }}
 def bench(router_url: str, mode: str, config: Path, out: Path, concurrency: int, gap_scale: float) -> str:
     run = subprocess.run(
         [sys.executable, "-m", "impl.cli", "bench", "--url", router_url, "--mode", mode, "--config", str(config),
-         "--out", str(out), "--concurrency", str(concurrency), "--gap-scale", str(gap_scale), "--token-id-low", "3",
-         "--token-id-high", str(len(_vocab()))], cwd=REPO, capture_output=True, text=True, timeout=3600)
+         "--out", str(out), "--concurrency", str(concurrency), "--gap-scale", str(gap_scale), "--token-id-low", str(FIRST_ORDINARY_ID),
+         "--token-id-high", str(VOCAB_SIZE)], cwd=REPO, capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
         raise RuntimeError(f"bench ({mode}) failed:\n{run.stdout}\n{run.stderr[-3000:]}")
     return run.stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 from impl.bench.records import read_jsonl
 from tests.e2e.conftest import E2E
 from tests.e2e.deployment import REPO
-from tests.e2e.tiny_model import _vocab
+from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE
 
 # 2 conversations x 3 requests (6 messages); every later turn continues 64 generated tokens, above
 # the deployment's threshold of 48, so each should pull from D.
@@ -43,7 +43,7 @@ def test_bench_through_the_router_records_what_p_pulled(e2e: E2E, tmp_path: Path
     before = e2e.counters()
     run = subprocess.run(
         [sys.executable, "-m", "impl.cli", "bench", "--url", e2e.router, "--mode", "on", "--config", str(config),
-         "--out", str(out), "--concurrency", "2", "--token-id-low", "3", "--token-id-high", str(len(_vocab()))],
+         "--out", str(out), "--concurrency", "2", "--token-id-low", str(FIRST_ORDINARY_ID), "--token-id-high", str(VOCAB_SIZE)],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     print("\n" + run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr

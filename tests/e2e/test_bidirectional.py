@@ -78,30 +78,44 @@ def test_direct_p_then_d_like_vllms_proxy(e2e: E2E):
     assert d["p"]["external_tokens"] >= 48 and d["p"]["xfers"] >= 1 and d["p"]["failed"] == 0, d
 
 
-def test_rewritten_history_does_not_pull(e2e: E2E):
+def test_rewritten_history_pulls_only_what_precedes_the_edit(e2e: E2E):
+    """The router offers D's blocks (P verifies token ids); P pulls the history before the client's
+    edit and recomputes from there, and the text is right."""
+    from tests.e2e.test_token_exact import common_prefix, expected_verified
+
     cid = f"rewrite-{uuid.uuid4().hex}"
     messages = [unique_system("rewrite"), user("List the planets and one fact about each. " * 3)]
+    first_ref = chat(e2e.reference, messages, max_tokens=LONG, stream=False, return_token_ids=True)
     first = chat(e2e.router, messages, max_tokens=LONG, conversation_id=cid)
+    assert first.text == first_ref.text
+    held = first_ref.prompt_token_ids + first_ref.token_ids[:-1]
     rewritten = first.text[: len(first.text) // 2] + " (edited by the client) " + first.text[len(first.text) // 2:]
     messages = messages + [{"role": "assistant", "content": rewritten}, user("Which is the largest? " * 5)]
+    second_ref = chat(e2e.reference, messages, max_tokens=SHORT, stream=False, return_token_ids=True)
     before = e2e.counters()
     second = chat(e2e.router, messages, max_tokens=SHORT, conversation_id=cid)
     d = e2e.settled_delta(before)
-    assert d["router"]["hits"] == 0, f"the router offered D's blocks for a rewritten history: {d}"
-    assert_no_pull(d, 2)
-    assert second.text == reference_text(e2e, messages, SHORT)
+    assert second.text == second_ref.text
+    assert d["router"]["hits"] == 1, d
+    agree = common_prefix(held, second_ref.prompt_token_ids)
+    assert agree < len(held)  # the edit is inside what D holds
+    verified = int(second.headers["X-Bidikv-Reuse-Verified-Tokens"])
+    assert verified == expected_verified(held, len(first_ref.prompt_token_ids), second_ref.prompt_token_ids)
+    assert d["p"]["external_tokens"] <= verified <= agree, (d, verified, agree)
 
 
 def test_threshold_above_the_reusable_count_does_not_pull(e2e: E2E):
     cid = f"threshold-{uuid.uuid4().hex}"
-    messages = [unique_system("threshold"), user("Name three rivers and where they flow. " * 3)]
+    # short: D holds fewer than 48 tokens of this conversation (P has no prefix cache of its own)
+    messages = [user(f"Rivers? {uuid.uuid4().hex[:6]}")]
     first = chat(e2e.router, messages, max_tokens=SHORT, conversation_id=cid)
-    messages = messages + [{"role": "assistant", "content": first.text}, user("Which one is the longest? " * 4)]
+    messages = messages + [{"role": "assistant", "content": first.text}, user("Longest? " * 4)]
     before = e2e.counters()
     second = chat(e2e.router, messages, max_tokens=SHORT, conversation_id=cid)
     d = e2e.settled_delta(before)
-    # offered (the router had D's params) but at most 38 tokens were reusable: below 48, P recomputed them
+    # offered (the router had D's params) but fewer than 48 tokens were reusable: P recomputed them
     assert d["router"]["hits"] == 1 and d["router"]["offered_tokens"] > 0, d
+    assert 0 < int(second.headers["X-Bidikv-Reuse-Offered-Tokens"]) < e2e.threshold, second.headers
     assert_no_pull(d, 2)
     assert second.text == reference_text(e2e, messages, SHORT)
 

@@ -33,6 +33,7 @@ TURN_GAP_S = 20.0
 def leased(e2e: E2E):
     spec = DeploymentSpec(
         threshold=e2e.threshold, decoder_ttl_s=120.0, reference=False, router=True,
+        prefill_args=["--no-enable-prefix-caching"],  # as the shared deployment: D's blocks are the reuse
         decode_extra={"bidikv_retention": "lease", "bidikv_lease_s": LEASE_S,
                       "bidikv_heartbeat_interval_s": HEARTBEAT_EVERY_S, "bidikv_lease_max_hold_s": 120.0,
                       "bidikv_heartbeat_port": free_port()})

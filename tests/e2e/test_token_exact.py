@@ -1,0 +1,132 @@
+"""Token-exact reuse on real vLLM with a byte-level BPE with merges and real chat-template variants.
+
+Each conversation runs three turns, through the router and directly the way vLLM's example proxy
+does (P then D, D's params handed back to P), with three templates (tiny_model.py): plain ChatML,
+assistant content ``| trim`` (Llama 3), and a reasoning template that opens answers with
+``<think>`` and renders earlier answers without it (Qwen3 / DeepSeek-R1 style).
+
+The expectation is computed from the plain reference server alone, never from P or D: its
+``prompt_token_ids`` and output ``token_ids`` give the ids whose KV D holds after a turn (prompt +
+output minus the last token, which D never computed) and the next prompt's ids; their common prefix
+and the checkpoint list (impl.policy.prefix_check.checkpoint_blocks, whose hash-free model
+``verified_blocks`` is property-tested against real hashes in tests/policy) say exactly how many
+tokens P can verify. Then, on P (no prefix caching: the whole history is offered):
+
+* P's report (router headers / P's returned params) verifies exactly that many tokens;
+* vLLM's own counter of tokens P loaded from D equals what P reported pulling, never more than
+  verified, and is that prefix when it reaches the threshold (48), else nothing;
+* every turn's text equals the reference server's.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from impl.policy.prefix_check import checkpoint_blocks, verified_blocks
+from tests.e2e.client import chat, direct_turn
+from tests.e2e.conftest import E2E, unique_system
+from tests.e2e.deployment import BLOCK_SIZE
+
+TEMPLATES = {"plain": {}, "trim": {"trim": True}, "think": {"think": True}}
+ANSWER = 48
+QUESTIONS = ["Tell me about the history of the bicycle, in detail please. " * 2,
+             "Thanks! What about gears and chains? " * 2,
+             "And the brakes, how do they work? " * 2]
+
+RESULTS: list[dict] = []  # one row per later turn, printed at the end of the module (the closing table)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def expected_verified(held: list[int], held_prompt_len: int, prompt: list[int]) -> int:
+    """Tokens of D's ``held`` ids P can verify against ``prompt`` (see the module docstring)."""
+    agree = common_prefix(held, prompt)
+    if agree == len(held) and len(prompt) >= len(held):
+        return len(held)  # the tail digest verifies a faithful continuation to the token
+    points = checkpoint_blocks(len(held) // BLOCK_SIZE, [held_prompt_len // BLOCK_SIZE])
+    return verified_blocks(agree // BLOCK_SIZE, points) * BLOCK_SIZE
+
+
+def reference(e2e: E2E, messages: list[dict], kwargs: dict):
+    extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+    return chat(e2e.reference, messages, max_tokens=ANSWER, stream=False, return_token_ids=True, **extra)
+
+
+@pytest.mark.parametrize("path", ["router", "direct"])
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_pulls_exactly_the_verified_prefix_and_matches_the_reference(e2e: E2E, template: str, path: str):
+    kwargs = TEMPLATES[template]
+    extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+    cid = f"exact-{template}-{path}-{uuid.uuid4().hex}"
+    messages = [unique_system(f"exact-{template}-{path}"), {"role": "user", "content": QUESTIONS[0]}]
+    held: list[int] | None = None
+    held_prompt_len = 0
+    d_params = None
+    for turn in (1, 2, 3):
+        ref = reference(e2e, messages, kwargs)
+        before = e2e.counters()
+        if path == "router":
+            got = chat(e2e.router, messages, max_tokens=ANSWER, conversation_id=cid, **extra)
+            report = _report_from_headers(got.headers or {})
+        else:
+            got = direct_turn(e2e.prefill, e2e.decode, messages, ANSWER, d_params, **extra)
+            report = (got.prefill_params or {}).get("bidikv_reuse")
+            d_params = got.kv_transfer_params
+        d = e2e.settled_delta(before)
+        assert got.text == ref.text, f"turn {turn}: text differs from the reference"
+        p = d["p"]
+        assert p["local_cache_tokens"] == 0  # P runs without prefix caching: everything is offered
+        if turn > 1:
+            prompt = ref.prompt_token_ids
+            verified = expected_verified(held, held_prompt_len, prompt)
+            assert report is not None, f"turn {turn}: no report of P's verification"
+            assert report["offered"] == min(len(held), len(prompt)), (turn, report)
+            assert report["verified"] == verified, (turn, report, verified, common_prefix(held, prompt))
+            assert p["external_tokens"] == report["pulled"], (turn, report, p)
+            assert report["pulled"] == (verified if verified >= e2e.threshold else 0), (turn, report)
+            if report["pulled"]:
+                assert p["xfers"] >= 1 and p["failed"] == 0, p
+            RESULTS.append({"template": template, "path": path, "turn": turn, "offered": report["offered"],
+                            "verified": verified, "pulled": report["pulled"], "agree": common_prefix(held, prompt),
+                            "held_prompt": held_prompt_len, "reason": report["reason"], "text_equal": True})
+        held = list(ref.prompt_token_ids) + list(ref.token_ids)[:-1]
+        held_prompt_len = len(ref.prompt_token_ids)
+        if turn < 3:
+            messages = messages + [{"role": "assistant", "content": got.text},
+                                   {"role": "user", "content": QUESTIONS[turn]}]
+
+
+def _report_from_headers(headers: dict[str, str]) -> dict | None:
+    h = {k.lower(): v for k, v in headers.items()}
+    if "x-bidikv-reuse-verify" not in h:
+        return None
+    return {"offered": int(h.get("x-bidikv-reuse-offered-tokens", 0)),
+            "verified": int(h.get("x-bidikv-reuse-verified-tokens", 0)),
+            "pulled": int(h.get("x-bidikv-reuse-pulled-tokens", 0)),
+            "reason": h["x-bidikv-reuse-verify"]}
+
+
+def test_the_reasoning_template_keeps_the_history_before_the_stripped_opener(e2e: E2E):
+    """What item 3 promises: with thinking dropped from earlier answers, P still reuses the whole
+    history up to the previous answer (within one block of it)."""
+    rows = [r for r in RESULTS if r["template"] == "think"]
+    assert rows, "run with the parametrized test above"
+    for r in rows:
+        assert r["verified"] >= (r["held_prompt"] - 2) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, r
+
+
+def teardown_module(module):
+    if RESULTS:
+        print("\ntemplate path    turn offered verified pulled agree reason  text=ref")
+        for r in RESULTS:
+            print(f"{r['template']:8} {r['path']:7} {r['turn']:4} {r['offered']:7} {r['verified']:8} "
+                  f"{r['pulled']:6} {r['agree']:5} {r['reason']:7} {'yes' if r['text_equal'] else 'NO'}")
