@@ -360,7 +360,8 @@ def main() -> int:
         wait_http(up_port)
         router_cmd = [sys.executable, "-m", "impl.router", "--prefill", f"http://127.0.0.1:{up_port}",
                       "--decode", f"http://127.0.0.1:{up_port}", "--host", "127.0.0.1", "--port", str(router_port),
-                      "--loop", args.loop, "--log-level", "warning", "--health-interval-s", "5"]
+                      "--loop", args.loop, "--log-level", "warning", "--health-interval-s", "5",
+                      "--max-model-len", "131072"]  # no /v1/models probe: this upstream answers only turns
         router = subprocess.Popen(pinned(router_cmd, 0, pin), env=env, cwd=ROOT)
         procs.append(router)
         wait_http(router_port)

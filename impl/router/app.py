@@ -94,6 +94,7 @@ class Router:
                                              on_close=self.metrics.client_closed.inc)
         self.metrics.client_connections.read = lambda: {(): float(len(self.connections.live))}
         self.heartbeats = HeartbeatRelay(config, tenants, self.conversations, self.metrics)
+        self.heartbeats.connections = self.connections
         rng = random.Random(config.seed)
         self.prefill = UpstreamPool("prefill", config.prefill, make_placement(config.placement), rng)
         self.decode = UpstreamPool("decode", config.decode, make_placement(config.placement), rng)

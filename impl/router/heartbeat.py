@@ -63,6 +63,7 @@ from aiohttp import web
 
 from impl.policy import ConversationEntry
 from impl.router.config import RouterConfig, url_host
+from impl.router.connections import BodyTimeout, ClientConnections
 from impl.router.metrics import Counter, RouterMetrics
 from impl.router.notify import Notification
 from impl.router.proxy import body_too_large_response, error_response, unauthenticated_response
@@ -117,6 +118,9 @@ class HeartbeatRelay:
         self.metrics = metrics
         self.clock = clock  # the store's clock (the turn proxy's: time.monotonic)
         self.directory = HeartbeatDirectory()
+        # the router's client-connection clocks (impl.router.connections): a body that never arrives
+        # must not hold this handler either; the Router swaps in its own
+        self.connections: ClientConnections | None = None
         self.outcomes: Counter = metrics.registry.add(Counter(
             "bidikv_router_heartbeats_total",
             "Client heartbeats, by outcome (renewed; not_renewed: D held the blocks but its policy did not "
@@ -159,6 +163,10 @@ class HeartbeatRelay:
     async def handle(self, request: web.Request) -> web.Response:
         try:
             response, outcome = await self._handle(request)
+        except BodyTimeout:
+            response, outcome = self.connections.body_timeout_response(), "invalid"
+        except ConnectionResetError:  # the client left mid-body: its doing, nobody to answer
+            response, outcome = web.Response(status=499), "invalid"
         except Exception:
             log.exception("unhandled error on %s", METRIC_ROUTE)
             response, outcome = error_response(500, "internal router error", "internal_error"), "error"
@@ -173,7 +181,7 @@ class HeartbeatRelay:
         try:
             conversation_id = check_conversation_id(request.match_info.get("conversation_id", ""),
                                                     self.config.max_conversation_id_len)
-            raw = await request.read()
+            raw = await (self.connections.read_body(request) if self.connections is not None else request.read())
             if raw.strip():
                 parse_json_body(raw)  # an optional JSON object; no field is read yet, so none can be wrong
         except RequestError as e:

@@ -131,3 +131,15 @@ def test_a_slow_turn_is_not_cut_by_the_client_clocks():
             r = await dep.chat([{"role": "user", "content": "slow"}])
             assert r.status == 200 and r.done and r.error is None
     run(body())
+
+
+def test_a_heartbeat_body_that_does_not_arrive_gets_408_too():
+    async def body():
+        async with Deployment(**SHORT) as dep:
+            reader, writer = await connect(dep)
+            writer.write(b"POST /v1/conversations/c1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+            answer = await read_until_closed(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+            assert dep.router.metrics.client_closed.get("body_timeout") == 1
+    run(body())

@@ -1,0 +1,349 @@
+"""The router under the two hostile loads of issue 16, with the figures printed.
+
+``flood``: a flood of long-context conversations. Every turn is a new conversation whose D answers
+with ``--blocks`` block ids (2,000 blocks = 32k tokens at 16 per block), so every turn stores an
+entry of ~80 KB. The router's RSS (``/proc/<pid>/status``), the store's counted bytes and entries
+(``/metrics``) are sampled every second: with ``--max-store-bytes`` they must plateau at the bound;
+``--max-store-bytes 0`` runs with a bound far above the flood to show the growth the bound prevents.
+
+``siege``: ``--idle`` connections that send nothing and ``--slowloris`` connections that send a
+request head one byte per second, opened at once, while ``--users`` closed-loop clients keep sending
+normal turns. Printed each second: normal turns served and their latency, errors, how many idle and
+slowloris connections are still open, the router's ``client_connections`` gauge and RSS. Run with
+the router's defaults (10 s head timeout) unless flags say otherwise.
+
+P and D are one scripted raw-asyncio upstream (cheap, so the router is what is measured), as in
+benchmarks/router_overhead.py. Run::
+
+    .venv/bin/python benchmarks/router_hostile.py flood [--conversations 20000] [--max-store-bytes 134217728]
+    .venv/bin/python benchmarks/router_hostile.py siege [--idle 2000] [--slowloris 50] [--duration 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from router_overhead import RawClient, free_port, wait_http  # noqa: E402  (same directory)
+
+ROOT = Path(__file__).resolve().parents[1]
+_REQUEST_IDS = itertools.count()
+
+
+def _json_response(obj: dict) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+class ScriptedUpstream(asyncio.Protocol):
+    """P (``max_tokens`` 1) and D (anything else, JSON answer with ``BLOCKS`` fresh block ids)."""
+
+    blocks = 2000
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.buf = b""
+
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            head_end = self.buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buf[:head_end]
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            end = head_end + 4 + length
+            if len(self.buf) < end:
+                return
+            body = self.buf[head_end + 4:end]
+            self.buf = self.buf[end:]
+            path = head.split(b" ", 2)[1]
+            if path.startswith(b"/health"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            elif path.startswith(b"/v1/models"):
+                self.transport.write(_json_response({"object": "list", "data": [{"id": "bench", "max_model_len": 131072}]}))
+            elif b'"max_tokens":1,' in body or b'"max_tokens": 1,' in body or body.endswith(b'"max_tokens": 1}'):
+                self.transport.write(self.prefill())
+            else:
+                self.transport.write(self.decode())
+
+    def prefill(self) -> bytes:
+        return _json_response({"id": "p", "object": "chat.completion", "model": "bench",
+                               "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
+                               "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                                      "remote_block_ids": [[1, 2]], "remote_engine_id": "P",
+                                                      "remote_request_id": "p", "remote_host": "127.0.0.1",
+                                                      "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 32}})
+
+    def decode(self) -> bytes:
+        n = next(_REQUEST_IDS)
+        first = (n * self.blocks) % 1_000_000_000 + 1000  # fresh ids per turn: the router cannot share them
+        return _json_response({"id": "d", "object": "chat.completion", "model": "bench",
+                               "choices": [{"index": 0, "message": {"role": "assistant", "content": "answer"},
+                                            "finish_reason": "stop"}],
+                               "kv_transfer_params": {"do_remote_prefill": False, "do_remote_decode": True,
+                                                      "remote_block_ids": [list(range(first, first + self.blocks))],
+                                                      "remote_engine_id": "D", "remote_request_id": f"d-{n}",
+                                                      "remote_host": "127.0.0.1", "remote_port": 5700, "tp_size": 1,
+                                                      "remote_num_tokens": self.blocks * 16,
+                                                      "remote_blocks_expiry_time": time.time() + 480}})
+
+
+def run_upstream(port: int, blocks: int) -> None:
+    ScriptedUpstream.blocks = blocks
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(ScriptedUpstream, "127.0.0.1", port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def scrape(port: int) -> dict[str, float]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    raw = await reader.read()
+    writer.close()
+    out = {}
+    for line in raw.decode().split("\r\n\r\n", 1)[-1].splitlines():
+        if line.startswith("bidikv_router_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def turn_body(cid: str) -> bytes:
+    return json.dumps({"model": "bench", "messages": [{"role": "user", "content": f"[{cid}] a long document, summarised"}],
+                       "max_tokens": 8, "stream": False, "conversation_id": cid}).encode()
+
+
+def start_router(up_port: int, router_port: int, extra: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "impl.router", "--prefill", f"http://127.0.0.1:{up_port}", "--decode",
+           f"http://127.0.0.1:{up_port}", "--host", "127.0.0.1", "--port", str(router_port), "--log-level", "warning",
+           "--health-interval-s", "5", "--no-notify", *extra]
+    router = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    wait_http(router_port)
+    return router
+
+
+# -- flood ------------------------------------------------------------------------------------------
+async def flood(router_port: int, pid: int, conversations: int, users: int) -> list[dict]:
+    done = 0
+    errors = 0
+    ids = iter(range(conversations))
+
+    async def user() -> None:
+        nonlocal done, errors
+        client = RawClient("127.0.0.1", router_port)
+        try:
+            for i in ids:
+                _, _, status = await client.post("/v1/chat/completions", turn_body(f"flood-{i}"))
+                done += 1
+                errors += status != 200
+        finally:
+            client.close()
+
+    rows = []
+    t0 = time.monotonic()
+    tasks = [asyncio.ensure_future(user()) for _ in range(users)]
+    while not all(t.done() for t in tasks):
+        await asyncio.sleep(1.0)
+        m = await scrape(router_port)
+        rows.append({"t_s": round(time.monotonic() - t0, 1), "turns": done, "errors": errors,
+                     "store_entries": int(m.get("bidikv_router_store_entries", 0)),
+                     "store_mb": round(m.get("bidikv_router_store_bytes", 0) / 2**20, 1),
+                     "evictions": int(m.get("bidikv_router_store_evictions_total", 0)), "rss_mb": round(rss_mb(pid), 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    await asyncio.gather(*tasks)
+    return rows
+
+
+# -- siege ------------------------------------------------------------------------------------------
+async def siege(router_port: int, pid: int, idle: int, slowloris: int, users: int, duration: float, calm: float) -> list[dict]:
+    latencies: list[float] = []
+    served = errors = 0
+    stop = False
+
+    async def user(uid: int) -> None:
+        nonlocal served, errors
+        client = RawClient("127.0.0.1", router_port)
+        n = 0
+        try:
+            while not stop:
+                n += 1
+                t = time.perf_counter()
+                try:
+                    _, _, status = await client.post("/v1/chat/completions", turn_body(f"u{uid}-{n}"))
+                except (OSError, asyncio.IncompleteReadError):
+                    client.close()
+                    client = RawClient("127.0.0.1", router_port)
+                    status = -1
+                latencies.append(time.perf_counter() - t)
+                served += status == 200
+                errors += status != 200
+        finally:
+            client.close()
+
+    open_idle: set = set()
+    open_slow: set = set()
+
+    async def hold_idle() -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", router_port)
+        except OSError:
+            return
+        open_idle.add(writer)
+        try:
+            await reader.read()  # until the router closes it
+        except OSError:
+            pass
+        open_idle.discard(writer)
+        writer.close()
+
+    async def hold_slowloris() -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", router_port)
+        except OSError:
+            return
+        open_slow.add(writer)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 10_000
+        closed = asyncio.ensure_future(reader.read())
+        try:
+            for i in range(len(head)):
+                if closed.done():
+                    break
+                writer.write(head[i:i + 1])
+                await asyncio.sleep(1.0)
+        except OSError:
+            pass
+        open_slow.discard(writer)
+        closed.cancel()
+        writer.close()
+
+    rows = []
+    users_tasks = [asyncio.ensure_future(user(i)) for i in range(users)]
+    t0 = time.monotonic()
+    attackers: list[asyncio.Future] = []
+    last_served, last_errors, last_lat = 0, 0, 0
+    while time.monotonic() - t0 < calm + duration:
+        await asyncio.sleep(1.0)
+        if not attackers and time.monotonic() - t0 >= calm:
+            attackers = [asyncio.ensure_future(hold_idle()) for _ in range(idle)]
+            attackers += [asyncio.ensure_future(hold_slowloris()) for _ in range(slowloris)]
+        window = sorted(latencies[last_lat:])
+        m = await scrape(router_port)
+        rows.append({"t_s": round(time.monotonic() - t0, 1), "phase": "siege" if attackers else "calm",
+                     "turns_per_s": served - last_served, "errors": errors - last_errors,
+                     "p50_ms": round(1000 * window[len(window) // 2], 2) if window else None,
+                     "p99_ms": round(1000 * window[int(len(window) * 0.99)], 2) if window else None,
+                     "idle_open": len(open_idle), "slowloris_open": len(open_slow),
+                     "router_client_connections": int(m.get("bidikv_router_client_connections", 0)),
+                     "closed_header_timeout": int(m.get('bidikv_router_client_connections_closed_total{reason="header_timeout"}', 0)),
+                     "refused_over_limit": int(m.get('bidikv_router_client_connections_closed_total{reason="over_limit"}', 0)),
+                     "rss_mb": round(rss_mb(pid), 1)})
+        last_served, last_errors, last_lat = served, errors, len(latencies)
+        print(json.dumps(rows[-1]), flush=True)
+    stop = True
+    await asyncio.gather(*users_tasks, return_exceptions=True)
+    for a in attackers:
+        a.cancel()
+    await asyncio.gather(*attackers, return_exceptions=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["flood", "siege"])
+    ap.add_argument("--conversations", type=int, default=20_000, help="flood: conversations (one turn each)")
+    ap.add_argument("--blocks", type=int, default=2000, help="flood: block ids in each of D's answers")
+    ap.add_argument("--max-store-bytes", type=int, default=128 * 2**20,
+                    help="flood: the router's bound (0: a bound far above the flood, to show the growth it prevents)")
+    ap.add_argument("--users", type=int, default=8, help="closed-loop clients sending normal turns")
+    ap.add_argument("--idle", type=int, default=2000, help="siege: connections that send nothing")
+    ap.add_argument("--slowloris", type=int, default=50, help="siege: connections sending a head at 1 byte/s")
+    ap.add_argument("--duration", type=float, default=40.0, help="siege: seconds under attack")
+    ap.add_argument("--calm", type=float, default=5.0, help="siege: seconds of normal load before the attack")
+    ap.add_argument("--router-args", default="", help="extra router flags, space separated")
+    ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.upstream:
+        run_upstream(args.port, args.blocks)
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the siege's sockets are ours too
+    up_port, router_port = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    upstream = subprocess.Popen([sys.executable, __file__, "--upstream", "--port", str(up_port), "--blocks", str(args.blocks), "flood"],
+                                env=env)
+    router = None
+    try:
+        wait_http(up_port)
+        extra = args.router_args.split()
+        if args.mode == "flood":
+            bound = args.max_store_bytes or 64 * 2**30
+            router = start_router(up_port, router_port, ["--max-store-bytes", str(bound), *extra])
+            print(f"# flood: {args.conversations} conversations x {args.blocks} blocks, max_store_bytes={bound}, "
+                  f"router RSS at start {rss_mb(router.pid):.1f} MB, load {os.getloadavg()[0]:.2f}", flush=True)
+            rows = asyncio.run(flood(router_port, router.pid, args.conversations, args.users))
+            third = max(1, len(rows) // 3)
+            mid, last = rows[third:2 * third], rows[2 * third:]
+            print(json.dumps({"summary": "flood", "turns": rows[-1]["turns"], "errors": rows[-1]["errors"],
+                              "rss_mb_first": rows[0]["rss_mb"], "rss_mb_max": max(r["rss_mb"] for r in rows),
+                              "rss_mb_mid_third_mean": round(statistics.mean(r["rss_mb"] for r in mid), 1) if mid else None,
+                              "rss_mb_last_third_mean": round(statistics.mean(r["rss_mb"] for r in last), 1),
+                              "store_mb_max": max(r["store_mb"] for r in rows), "bound_mb": round(bound / 2**20, 1),
+                              "load_1min_end": round(os.getloadavg()[0], 2)}), flush=True)
+        else:
+            router = start_router(up_port, router_port, extra)
+            print(f"# siege: {args.idle} idle + {args.slowloris} slowloris connections after {args.calm:g} s, "
+                  f"{args.users} users, router flags {extra or 'defaults'}, load {os.getloadavg()[0]:.2f}", flush=True)
+            rows = asyncio.run(siege(router_port, router.pid, args.idle, args.slowloris, args.users, args.duration, args.calm))
+            calm = [r for r in rows if r["phase"] == "calm"]
+            hit = [r for r in rows if r["phase"] == "siege"]
+            print(json.dumps({"summary": "siege", "calm_turns_per_s": round(statistics.mean(r["turns_per_s"] for r in calm), 1) if calm else None,
+                              "siege_turns_per_s": round(statistics.mean(r["turns_per_s"] for r in hit), 1),
+                              "siege_min_turns_per_s": min(r["turns_per_s"] for r in hit),
+                              "siege_errors": sum(r["errors"] for r in hit),
+                              "siege_p99_ms_max": max((r["p99_ms"] or 0) for r in hit),
+                              "first_s_with_no_idle_open": next((r["t_s"] - args.calm for r in hit if r["idle_open"] == 0), None),
+                              "first_s_with_no_slowloris_open": next((r["t_s"] - args.calm for r in hit if r["slowloris_open"] == 0), None),
+                              "rss_mb_max": max(r["rss_mb"] for r in rows), "load_1min_end": round(os.getloadavg()[0], 2)}),
+                  flush=True)
+    finally:
+        for p in (router, upstream):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
