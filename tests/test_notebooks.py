@@ -18,6 +18,8 @@ def test_there_are_four_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
     notebook = nbformat.read(path, as_version=4)
+    # each notebook checks its own headline numbers in its last cell, so a regression fails here
+    assert "\nassert " in "\n" + notebook.cells[-1].source, "the last cell asserts the notebook's headline"
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors

@@ -22,6 +22,7 @@ copy must pass every selected test file first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -37,7 +38,7 @@ COPY = ("impl", "sim", "calibration", "tests", "pyproject.toml")
 POLICY = ("tests/policy",)
 ROUTER = ("tests/policy/test_store.py", "tests/router/test_flow.py", "tests/router/test_heartbeat.py",
           "tests/router/test_faults.py", "tests/router/test_units.py", "tests/router/test_load_and_state.py",
-          "tests/router/test_clocks.py")
+          "tests/router/test_clocks.py", "tests/router/test_guard_answer.py")
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="run only these mutants")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per test run (a hang counts as killed)")
+    parser.add_argument("--tests", nargs="+", help="run these test files for every selected mutant instead of its own "
+                                                    "list (e.g. to see whether one file alone kills a mutant)")
     parser.add_argument("--tree", type=Path, default=REPO,
                         help="the source tree to copy (default: this checkout; e.g. a `git archive HEAD` export "
                              "to check the committed code while others edit the working tree)")
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
     selected = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.tests:
+        selected = [dataclasses.replace(m, tests=tuple(args.tests)) for m in selected]
 
     with tempfile.TemporaryDirectory(prefix="bidikv-mutants-") as tmp:
         root = Path(tmp)
