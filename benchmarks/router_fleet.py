@@ -195,9 +195,10 @@ def scrape(port: int, name: str) -> float:
 class Bed:
     """The upstream, Redis and routers, as subprocesses; everything stopped on exit."""
 
-    def __init__(self, pin: bool, appendonly: bool = False, redis_core: str = "any") -> None:
+    def __init__(self, pin: bool, appendonly: bool = False, redis_core: str = "any", redis_nice: int = 0) -> None:
         self.pin = pin
         self.redis_core = redis_core
+        self.redis_nice = redis_nice
         self.env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.procs: list[subprocess.Popen] = []
         self.up_port = free_port()
@@ -209,6 +210,8 @@ class Bed:
                                                   1, self.pin), env=self.env))
         wait_http(self.up_port)
         self.redis.start()
+        if self.redis_nice:
+            os.setpriority(os.PRIO_PROCESS, self.redis.proc.pid, self.redis_nice)
         if self.pin and self.redis_core != "any" and self.redis.proc is not None:
             subprocess.run(["taskset", "-pc", self.redis_core, str(self.redis.proc.pid)], capture_output=True)
         return self
@@ -289,7 +292,8 @@ async def paired(ports: list[int], duration: float) -> list[list[tuple[float, fl
 
 
 def part_ttft(bed: Bed, duration: float, reps: int) -> None:
-    print(f"\n== added TTFT of the shared store: two routers (in-memory, Redis) on core 0, c=1, turns alternating "
+    where = "on core 0" if bed.pin else "unpinned"
+    print(f"\n== added TTFT of the shared store: two routers (in-memory, Redis) {where}, c=1, turns alternating "
           f"between them, {duration:.0f} s windows; turns 2-5 (store hits) ==")
     print("rep | turns each | memory TTFT p50 / p99 ms | Redis TTFT p50 / p99 ms | added p50 / p99 ms | added to the end p50 ms | load")
     for rep in range(reps):
@@ -366,6 +370,8 @@ def main() -> int:
     ap.add_argument("--no-pin", action="store_true", help="pin nothing (router, upstream, load generator, Redis)")
     ap.add_argument("--redis-core", choices=["any", "0", "1"], default="any",
                     help="pin Redis too (default: the scheduler places it)")
+    ap.add_argument("--redis-nice", type=int, default=0,
+                    help="Redis's nice value (e.g. -10: Redis gets the CPU share it would have on a host of its own)")
     ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -375,8 +381,9 @@ def main() -> int:
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {1})  # the load generator shares core 1 with the upstream and Redis
-    print(f"started {time.strftime('%H:%M:%S')}, load {load_average():.2f}, pinned: {pin}")
-    with Bed(pin, appendonly=args.appendonly, redis_core=args.redis_core) as bed:
+    print(f"started {time.strftime('%H:%M:%S')}, load {load_average():.2f}, pinned: {pin}, "
+          f"Redis core {args.redis_core}, nice {args.redis_nice}")
+    with Bed(pin, appendonly=args.appendonly, redis_core=args.redis_core, redis_nice=args.redis_nice) as bed:
         if args.part in ("all", "hits"):
             part_hits(bed, args.duration, args.concurrency)
         if args.part in ("all", "ttft"):
