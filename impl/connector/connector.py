@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 
 from impl.connector.config import ConnectorSettings
 from impl.connector.scheduler import BidikvPullScheduler
+from impl.connector.stats import BidikvKVConnectorStats, BidikvPromMetrics
 from impl.connector.worker import BidikvPullWorker
 
 if TYPE_CHECKING:
@@ -60,4 +61,14 @@ class NixlConnector(NixlPullConnector):
         # Called in the API-server process before the engine starts: a bad extra config stops the
         # server there, with the key in the message, instead of in a child process's traceback.
         settings_of(vllm_config)
-        return super().build_prom_metrics(vllm_config, *args, **kwargs)
+        return BidikvPromMetrics(vllm_config, *args, **kwargs)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return BidikvKVConnectorStats(data=data) if data is not None else BidikvKVConnectorStats()
+
+    def get_kv_connector_stats(self):
+        # scheduler side too: the prefix-verification counts are taken where reads are decided
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.take_stats()
+        return super().get_kv_connector_stats()

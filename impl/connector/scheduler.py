@@ -57,6 +57,7 @@ from impl.connector.config import ConfigError, ConnectorSettings
 from impl.connector.heartbeat import HeartbeatListener
 from impl.connector.notify import NOTIFY_KEY, Notifier, parse_notify_field
 from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_block_size_of, report_of
+from impl.connector.stats import BidikvKVConnectorStats
 from impl.policy import PullCandidate, RecomputeDecision, TransferPath
 from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
 
@@ -135,6 +136,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
         self._reports: dict[str, ReuseReport] = {}  # request -> its read's report, counted when it finishes
+        self._stats = BidikvKVConnectorStats()  # the same counts, for vLLM's /metrics (stats.py)
         log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
                  "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
                  "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
@@ -283,6 +285,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         report = self._reports.pop(request.request_id, None)
         if report is not None:
             self.prefix.count(report)
+            self._stats.record_reuse(report)
         request_params = request.kv_transfer_params
         delay, out = super().request_finished(request, block_ids)
         if delay and out is not None and out.get("remote_num_tokens"):
@@ -306,6 +309,10 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             self._retained[request.request_id] = (now, expiry)
             self._notify(request, request_params, out, expiry - now)
         return delay, out
+
+    def take_stats(self) -> BidikvKVConnectorStats | None:
+        """This step's prefix-verification counts for vLLM's stats path (None when there are none)."""
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def _start_heartbeat_listener(self, vllm_config: "VllmConfig", engine_id: str) -> HeartbeatListener | None:
         port = self.settings.heartbeat_port

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
+from impl.connector.stats import BidikvKVConnectorStats
 from impl.connector.config import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class BidikvPullWorker(NixlPullConnectorWorker):
         delay = settings.nixl_progress_delay_us if settings.nixl_progress_thread else None
         with patched_agent_config(overrides, delay):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        # vLLM aggregates the scheduler's stats into ours key by key: one class with every key
+        self.xfer_stats = BidikvKVConnectorStats()
         log.info("bidikv connector worker %s: NIXL agent with %s, progress delay %s us", engine_id,
                  ", ".join(f"{k}={v}" for k, v in overrides.items()), delay)
 

@@ -536,3 +536,27 @@ def test_d_verifies_ps_prefix_on_the_ordinary_path(model_dir):
     d.schedule()
     assert req.num_computed_tokens == 32  # one agreeing block; D computes the rest itself
     assert connector_scheduler(d)._reports[req.request_id].reason == "partial"
+
+
+def test_verification_counts_reach_vllms_stats_path(model_dir):
+    """What P's /metrics exports (impl/connector/stats.py): vLLM's scheduler stats, step by step."""
+    scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
+    held = tokens(100, seed=79)
+    prompt = held[:70] + [1] + held[71:] + tokens(20, seed=80)  # differs at 70: two blocks verify
+    req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=100), held))
+    scheduler.add_request(req)
+    fake, totals = FakeNixlTransfers(), {}
+    for _ in range(20):
+        so = scheduler.schedule()
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            fake.read_done(req.request_id)
+        out = model_output([req], kv=fake.output()) if req.request_id in so.num_scheduled_tokens else empty_output(fake.output())
+        for eco in scheduler.update_from_output(so, out).values():
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for key, values in (stats or {}).items():
+                if key.startswith("bidikv_"):
+                    totals[key] = totals.get(key, 0) + sum(values)
+        if req.is_finished():
+            break
+    assert totals["bidikv_d_to_p_offered"] == 100 and totals["bidikv_d_to_p_verified"] == 64
+    assert totals["bidikv_d_to_p_pulled"] == 64 and totals["bidikv_d_to_p_refused_partial"] == 36

@@ -401,6 +401,9 @@ PULL_METRICS = {
     "bytes": ("vllm:nixl_bytes_transferred_sum", {}),
     "failed": ("vllm:nixl_num_failed_transfers_total", {}),
     "expired": ("vllm:nixl_num_kv_expired_reqs_total", {}),
+    # our connector's token-exact verification, on vLLM's own /metrics (impl/connector/stats.py)
+    "offered_tokens": ("vllm:bidikv_prefix_tokens_total", {"path": "d_to_p", "outcome": "offered"}),
+    "verified_tokens": ("vllm:bidikv_prefix_tokens_total", {"path": "d_to_p", "outcome": "verified"}),
 }
 
 

@@ -20,6 +20,7 @@ tokens P can verify. Then, on P (no prefix caching: the whole history is offered
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -27,7 +28,7 @@ import pytest
 from impl.policy.prefix_check import checkpoint_blocks, verified_blocks
 from tests.e2e.client import chat, direct_turn
 from tests.e2e.conftest import E2E, unique_system
-from tests.e2e.deployment import BLOCK_SIZE
+from tests.e2e.deployment import BLOCK_SIZE, delta, pull_counters
 
 TEMPLATES = {"plain": {}, "trim": {"trim": True}, "think": {"think": True}}
 ANSWER = 48
@@ -95,6 +96,14 @@ def test_pulls_exactly_the_verified_prefix_and_matches_the_reference(e2e: E2E, t
             assert report["pulled"] == (verified if verified >= e2e.threshold else 0), (turn, report)
             if report["pulled"]:
                 assert p["xfers"] >= 1 and p["failed"] == 0, p
+            # and P's own /metrics say the same (published with a later engine step: poll)
+            deadline = time.monotonic() + 15.0
+            while True:
+                on_p = delta(pull_counters(e2e.prefill), before["p"])
+                if on_p["verified_tokens"] == verified or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+            assert (on_p["offered_tokens"], on_p["verified_tokens"]) == (report["offered"], verified), on_p
             RESULTS.append({"template": template, "path": path, "turn": turn, "offered": report["offered"],
                             "verified": verified, "pulled": report["pulled"], "agree": common_prefix(held, prompt),
                             "held_prompt": held_prompt_len, "reason": report["reason"], "text_equal": True})

@@ -1,0 +1,85 @@
+"""Token-exact reuse on vLLM's own ``/metrics``: tokens offered, verified, pulled and refused (by reason).
+
+The counts are taken on the scheduler side (where a read is decided) and travel vLLM's own path
+for connector statistics: the scheduler asks the connector for scheduler-side stats every step and
+aggregates them with the workers' NIXL stats, and the API server turns the result into Prometheus
+samples. Both sides must use this class, whose ``data`` has every key, because vLLM aggregates the
+two dicts key by key; so the worker's NIXL stats object is replaced by one (worker.py).
+
+Exported as ``vllm:bidikv_prefix_tokens_total{path="d_to_p"|"p_to_d", outcome=...}`` with outcomes
+``offered``, ``verified``, ``pulled`` and ``refused_<reason>`` (``partial``, ``no_check``,
+``scheme``, ``malformed``; ``unverified`` counts tokens pulled from a peer that published nothing,
+where the operator allowed it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
+
+from impl.connector.prefix import ReuseReport
+from impl.policy.prefix_check import VerifyReason
+
+PATHS = ("d_to_p", "p_to_d")
+OUTCOMES = ("offered", "verified", "pulled") + tuple(
+    f"refused_{r.value}" for r in VerifyReason if r is not VerifyReason.FULL) + ("refused_unverified",)
+KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES)
+
+
+class BidikvKVConnectorStats(NixlKVConnectorStats):
+    def reset(self) -> None:
+        super().reset()
+        for key in KEYS:
+            self.data[key] = []
+
+    def record_reuse(self, report: ReuseReport) -> None:
+        prefix = f"bidikv_{report.path}_"
+        if prefix + "offered" not in self.data:
+            return
+        self.data[prefix + "offered"].append(report.offered)
+        self.data[prefix + "verified"].append(report.verified)
+        self.data[prefix + "pulled"].append(report.pulled)
+        if report.offered > report.verified and prefix + f"refused_{report.reason}" in self.data:
+            self.data[prefix + f"refused_{report.reason}"].append(report.offered - report.verified)
+
+    def aggregate(self, other: Any) -> "BidikvKVConnectorStats":
+        # a plain NIXL stats object (another connector's worker) lacks our keys: add what is there
+        if not other.is_empty():
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+        return self
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(key) for key in KEYS)
+
+    def reduce(self) -> dict[str, int | float]:
+        out = super().reduce()
+        for path in PATHS:
+            offered = sum(self.data.get(f"bidikv_{path}_offered", ()))
+            if offered:
+                out[f"Prefix {path} offered/verified/pulled tokens"] = (
+                    f"{offered}/{sum(self.data[f'bidikv_{path}_verified'])}/{sum(self.data[f'bidikv_{path}_pulled'])}")
+        return out
+
+
+class BidikvPromMetrics(NixlPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls(
+            name="vllm:bidikv_prefix_tokens",
+            documentation="Tokens a peer offered for reuse, of them verified equal to the prompt's token ids, "
+                          "pulled, and refused by reason (bidikv token-exact reuse).",
+            labelnames=list(labelnames) + ["path", "outcome"])
+        self.bidikv_prefix_tokens = {
+            (idx, path, outcome): counter.labels(*values, path, outcome)
+            for idx, values in per_engine_labelvalues.items() for path in PATHS for outcome in OUTCOMES}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        for path in PATHS:
+            for outcome in OUTCOMES:
+                total = sum(transfer_stats_data.get(f"bidikv_{path}_{outcome}", ()))
+                if total:
+                    self.bidikv_prefix_tokens[(engine_idx, path, outcome)].inc(total)
