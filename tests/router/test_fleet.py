@@ -43,7 +43,8 @@ class Fleet:
     """``n`` routers with one store URL and prefix, in front of one fake P and one fake D."""
 
     def __init__(self, store_url: str, n: int = 2, style: str = "final_chunk", decode: FakeVllmUpstream | None = None,
-                 **config: Any) -> None:
+                 keys: dict[str, str] | None = None, **config: Any) -> None:
+        self.keys = keys
         self.p = FakeVllmUpstream("p0", role="prefill")
         self.d = decode or FakeVllmUpstream("d0", role="decode", style=style)
         self.n = n
@@ -68,7 +69,8 @@ class Fleet:
     async def start_router(self, i: int) -> None:
         config = build_config(overrides={"prefill": [self.p.url], "decode": [self.d.url], "host": "127.0.0.1",
                                          "port": 0, **self.config})
-        self.apps[i] = build_app(config, tenants=Tenants.load(None, "KEYS", {}), environ={})
+        keys = {"KEYS": ",".join(f"{t}={k}" for t, k in self.keys.items())} if self.keys else {}
+        self.apps[i] = build_app(config, tenants=Tenants.load(None, "KEYS", keys), environ={})
         self.runners[i], port = await start_site(self.apps[i], "127.0.0.1", 0)
         self.urls[i] = f"http://127.0.0.1:{port}"
 
@@ -263,3 +265,18 @@ async def test_a_heartbeat_on_a_replica_d_never_notified_is_relayed(redis_server
         assert len(d.heartbeats) == 1
         got = await fleet.router(0).conversations.get("default", "hb")
         assert got.entry.expires_at > time.monotonic() + 60  # the renewed expiry, seen by every replica
+
+
+async def test_another_tenant_gets_nothing_whichever_replica_it_reaches(redis_server):
+    keys = {"alice": "sk-alice", "bob": "sk-bob"}
+    async with Fleet(redis_server.url, keys=keys) as fleet:
+        alice = {"Authorization": "Bearer sk-alice"}
+        messages = [user("tenant q1")]
+        r1 = await fleet.chat(0, messages, "shared-id", headers=alice)
+        assert r1.status == 200
+        await fleet.settle()
+        messages = messages + [assistant(r1.answer), user("tenant q2")]
+        bob = await fleet.chat(1, messages, "shared-id", headers={"Authorization": "Bearer sk-bob"})
+        assert bob.status == 200 and offered(bob) == 0  # bob replays alice's history under her id: no reuse
+        again = await fleet.chat(1, messages, "shared-id", headers=alice)
+        assert again.status == 200 and offered(again) > 0  # alice, on the other replica, still reuses
