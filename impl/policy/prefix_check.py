@@ -126,6 +126,21 @@ def verified_blocks(agreeing_blocks: int, checkpoints: Iterable[int]) -> int:
     return max((c for c in checkpoints if c <= agreeing_blocks), default=0)
 
 
+def verified_tokens_model(held_tokens: int, held_prompt_tokens: int, agreeing_tokens: int, prompt_tokens: int,
+                          block_size: int, dense: int = DEFAULT_DENSE_BLOCKS) -> int:
+    """Tokens the reader verifies, from counts alone (the simulator's model of :func:`verify_prefix`).
+
+    The holder holds ``held_tokens`` (its prompt was ``held_prompt_tokens``: the anchor), of which
+    the first ``agreeing_tokens`` equal the reader's prompt of ``prompt_tokens``. Exactly what the
+    hash-based check finds (property-tested against it), so simulated and real reuse agree.
+    """
+    agree = max(0, min(agreeing_tokens, held_tokens, prompt_tokens))
+    if agree == held_tokens and prompt_tokens >= held_tokens:
+        return held_tokens  # the tail digest verifies a faithful continuation to the token
+    points = checkpoint_blocks(held_tokens // block_size, [held_prompt_tokens // block_size], dense)
+    return verified_blocks(agree // block_size, points) * block_size
+
+
 def lost_blocks_bound(num_blocks: int, agreeing_blocks: int, anchors: Iterable[int] = (),
                       dense: int = DEFAULT_DENSE_BLOCKS) -> int:
     """An upper bound on ``agreeing_blocks - verified_blocks(...)`` (see the module docstring)."""

@@ -8,9 +8,9 @@ assistant content ``| trim`` (Llama 3), and a reasoning template that opens answ
 The expectation is computed from the plain reference server alone, never from P or D: its
 ``prompt_token_ids`` and output ``token_ids`` give the ids whose KV D holds after a turn (prompt +
 output minus the last token, which D never computed) and the next prompt's ids; their common prefix
-and the checkpoint list (impl.policy.prefix_check.checkpoint_blocks, whose hash-free model
-``verified_blocks`` is property-tested against real hashes in tests/policy) say exactly how many
-tokens P can verify. Then, on P (no prefix caching: the whole history is offered):
+and ``impl.policy.prefix_check.verified_tokens_model`` (the count model the simulator uses,
+property-tested against real hashes in tests/policy) say exactly how many tokens P can verify.
+Then, on P (no prefix caching: the whole history is offered):
 
 * P's report (router headers / P's returned params) verifies exactly that many tokens;
 * vLLM's own counter of tokens P loaded from D equals what P reported pulling, never more than
@@ -25,7 +25,7 @@ import uuid
 
 import pytest
 
-from impl.policy.prefix_check import checkpoint_blocks, verified_blocks
+from impl.policy.prefix_check import verified_tokens_model
 from tests.e2e.client import chat, direct_turn
 from tests.e2e.conftest import E2E, unique_system
 from tests.e2e.deployment import BLOCK_SIZE, delta, pull_counters
@@ -49,12 +49,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def expected_verified(held: list[int], held_prompt_len: int, prompt: list[int]) -> int:
-    """Tokens of D's ``held`` ids P can verify against ``prompt`` (see the module docstring)."""
-    agree = common_prefix(held, prompt)
-    if agree == len(held) and len(prompt) >= len(held):
-        return len(held)  # the tail digest verifies a faithful continuation to the token
-    points = checkpoint_blocks(len(held) // BLOCK_SIZE, [held_prompt_len // BLOCK_SIZE])
-    return verified_blocks(agree // BLOCK_SIZE, points) * BLOCK_SIZE
+    """Tokens of D's ``held`` ids P can verify against ``prompt``: the simulator's count model, fed with
+    the true common prefix of the reference server's ids."""
+    return verified_tokens_model(len(held), held_prompt_len, common_prefix(held, prompt), len(prompt), BLOCK_SIZE)
 
 
 def reference(e2e: E2E, messages: list[dict], kwargs: dict):

@@ -14,7 +14,8 @@ import math
 from hypothesis import assume, given, settings, strategies as st
 
 from impl.policy.prefix_check import (CHECK_KEY, MAX_CHECKPOINTS, VerifyReason, chain_block_hashes, checkpoint_blocks,
-                                      lost_blocks_bound, publish, scheme_tag, verified_blocks, verify_prefix)
+                                      lost_blocks_bound, publish, scheme_tag, verified_blocks, verified_tokens_model,
+                                      verify_prefix)
 
 SCHEME = scheme_tag("sha256", 16, "tiny-model", b"seed")
 
@@ -55,14 +56,12 @@ def test_verification_never_agrees_beyond_the_common_prefix_and_loses_at_most_th
     truth = min(common_prefix(held[:num_tokens], prompt), num_tokens)
     assert result.tokens <= truth  # never a false agreement
     assert result.tokens <= len(prompt)
-    # exactly what the simulator's model says, from the checkpoint list alone
+    # exactly what the simulator's model says, from counts alone
     full = num_tokens // block_size
-    points = checkpoint_blocks(full, [anchor_tokens // block_size], dense)
-    if truth == num_tokens and len(prompt) >= num_tokens:
-        expected = num_tokens  # the tail digest makes a faithful continuation verify to the token
-    else:
-        expected = verified_blocks(truth // block_size, points) * block_size
-    assert result.tokens == expected
+    assert result.tokens == verified_tokens_model(num_tokens, anchor_tokens, truth, len(prompt), block_size, dense)
+    if not (truth == num_tokens and len(prompt) >= num_tokens):  # and that model is the checkpoint rule
+        points = checkpoint_blocks(full, [anchor_tokens // block_size], dense)
+        assert result.tokens == verified_blocks(truth // block_size, points) * block_size
     lost_blocks = truth // block_size - result.tokens // block_size
     assert lost_blocks <= lost_blocks_bound(full, truth // block_size, [anchor_tokens // block_size], dense)
     assert result.reason in (VerifyReason.FULL, VerifyReason.PARTIAL)
