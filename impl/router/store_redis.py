@@ -47,6 +47,12 @@ import logging
 import math
 import time
 from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from impl.policy import ConversationEntry, Lookup, MissReason
 from impl.policy.continuation import PromptView, continues
@@ -221,12 +227,6 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, **kwargs: Any) -> "RedisStore":
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-        from redis.exceptions import ConnectionError as RedisConnectionError
-
-        from urllib.parse import urlsplit
         extra: dict[str, Any] = {}
         if password and not urlsplit(url).password:
             extra["password"] = password
@@ -234,7 +234,7 @@ class RedisStore:
         # Redis that restarted fails once and then works. Never after a timeout: a turn would wait
         # timeout_s twice for a Redis that is stuck
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **extra)
+                                         retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)), **extra)
         parts = urlsplit(url)
         return cls(client, name=f"{parts.scheme}://{parts.hostname or ''}:{parts.port or ''}{parts.path}", **kwargs)
 
@@ -245,11 +245,7 @@ class RedisStore:
             raise StoreUnavailable(f"conversation store {self.name} is down")
         try:
             result = await call()
-        except Exception as e:  # redis errors, OSError, timeouts: all mean "no answer we can use"
-            import redis.exceptions
-
-            if not isinstance(e, (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)):
-                raise
+        except (redis.exceptions.RedisError, OSError, asyncio.TimeoutError) as e:  # no answer we can use
             self.errors += 1
             self._down_until = time.monotonic() + self.retry_s
             if not self._down:
