@@ -91,7 +91,8 @@ class Router:
                              for i, url in enumerate(urls)}
         self.connections = ClientConnections(config.client_header_timeout_s, config.client_body_timeout_s,
                                              config.client_idle_timeout_s, config.max_client_connections,
-                                             on_close=self.metrics.client_closed.inc)
+                                             on_close=self.metrics.client_closed.inc,
+                                             write_timeout_s=config.client_write_timeout_s)
         self.metrics.client_connections.read = lambda: {(): float(len(self.connections.live))}
         self.heartbeats = HeartbeatRelay(config, tenants, self.conversations, self.metrics)
         self.heartbeats.connections = self.connections

@@ -50,6 +50,9 @@ class RouterConfig:
     client_header_timeout_s: float = 10.0
     client_body_timeout_s: float = 30.0
     client_idle_timeout_s: float = 30.0
+    # a client that takes none of our bytes for 60 s (its socket buffers full) is cut: a minute covers
+    # any live reader on a bad link, and a stream nobody reads must not hold D's connection forever
+    client_write_timeout_s: float = 60.0
     max_client_connections: int = 4096
     max_conversation_id_len: int = 256
     # 0: learnt from the instances' /v1/models (vLLM reports each model's max_model_len); a request
@@ -99,7 +102,7 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.max_client_connections < 1:
             raise ValueError(f"max_client_connections must be >= 1, got {self.max_client_connections}")
-        for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s"):
+        for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s", "client_write_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -149,6 +152,8 @@ FLAG_HELP: dict[str, str] = {
                              "then 408 and close",
     "client_idle_timeout_s": "a kept-alive client connection with no new request is closed after this; keep it above "
                              "your clients' own pool idle timeout",
+    "client_write_timeout_s": "a client that takes none of the router's bytes for this long (it stopped reading; "
+                              "its socket buffers are full) is disconnected, and D's request with it",
     "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
                               "file-descriptor limit is raised to fit)",
     "max_conversation_id_len": "longest conversation_id accepted",

@@ -13,6 +13,9 @@ own, and one sweep over all of them (a few times per shortest timeout) enforces:
   silently, as HTTP allows between requests.
 * **body** (``client_body_timeout_s``): the whole request body, once the head is in
   (:func:`read_body`, in the handler). Answered ``408`` and closed.
+* **write** (``client_write_timeout_s``): a client that stops reading what the router sends (its
+  socket buffers full, the router's writes paused) for this long is cut, whatever the phase: a
+  stream to a client that never reads would otherwise hold the handler and D's connection forever.
 * **cap** (``max_client_connections``): one more connection is answered ``503`` and closed at once,
   before aiohttp sees it: refusing costs one write, serving would cost a file descriptor and a task.
 
@@ -50,7 +53,7 @@ class BodyTimeout(Exception):
 class _Guarded(asyncio.Protocol):
     """aiohttp's protocol for one connection, with the phase and the time the sweep checks."""
 
-    __slots__ = ("inner", "owner", "transport", "phase", "since")
+    __slots__ = ("inner", "owner", "transport", "phase", "since", "paused_at")
 
     def __init__(self, inner: asyncio.Protocol, owner: "ClientConnections") -> None:
         self.inner = inner
@@ -58,6 +61,7 @@ class _Guarded(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.phase = HEAD
         self.since = 0.0
+        self.paused_at: float | None = None  # when the client stopped taking our bytes, if it has
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         owner = self.owner
@@ -102,10 +106,12 @@ class _Guarded(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.transport is not None:
+            self.paused_at = self.owner.loop.time()
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
         if self.transport is not None:
+            self.paused_at = None
             self.inner.resume_writing()
 
 
@@ -113,8 +119,9 @@ class ClientConnections:
     """The live client connections of one server, their deadlines and their cap."""
 
     def __init__(self, header_timeout_s: float, body_timeout_s: float, idle_timeout_s: float, max_connections: int,
-                 on_close: Callable[[str], None] = lambda reason: None) -> None:
+                 on_close: Callable[[str], None] = lambda reason: None, write_timeout_s: float = 60.0) -> None:
         self.header_timeout_s = header_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.body_timeout_s = body_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
@@ -123,7 +130,7 @@ class ClientConnections:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task | None = None
         # a sweep every quarter of the shortest timeout: a connection overstays by at most that much
-        self.sweep_interval_s = max(0.02, min(1.0, header_timeout_s / 4, idle_timeout_s / 4))
+        self.sweep_interval_s = max(0.02, min(1.0, header_timeout_s / 4, idle_timeout_s / 4, write_timeout_s / 4))
         self.over_limit_reply = _canned(503, "Service Unavailable", f"the router holds its limit of {max_connections} "
                                                                     "client connections; retry shortly")
         self.header_timeout_reply = _canned(408, "Request Timeout", f"no complete request head within "
@@ -160,7 +167,12 @@ class ClientConnections:
         now = self.loop.time()
         head_before = now - self.header_timeout_s
         idle_before = now - self.idle_timeout_s
+        write_before = now - self.write_timeout_s
         for transport, conn in list(self.live.items()):
+            if conn.paused_at is not None and conn.paused_at < write_before:
+                self.count("write_timeout")
+                transport.abort()  # its buffers are full: nothing more would reach it anyway
+                continue
             phase = conn.phase
             if phase == BUSY:
                 continue

@@ -171,5 +171,6 @@ class RouterMetrics:
         self.client_connections = r.add(Gauge(p + "client_connections", "Client connections open now."))
         self.client_closed = r.add(Counter(p + "client_connections_closed_total", "Client connections the router "
                                            "closed or refused, by reason (header_timeout and body_timeout: answered 408; "
-                                           "idle: kept alive past client_idle_timeout_s; over_limit: refused with 503 at "
-                                           "max_client_connections).", ("reason",)))
+                                           "idle: kept alive past client_idle_timeout_s; write_timeout: stopped reading for "
+                                           "client_write_timeout_s; over_limit: refused with 503 at max_client_connections).",
+                                           ("reason",)))

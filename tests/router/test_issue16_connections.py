@@ -8,6 +8,8 @@ are deadline polls far longer than the configured timeouts: a pass never depends
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 
 from tests.router.harness import Deployment
@@ -142,4 +144,27 @@ def test_a_heartbeat_body_that_does_not_arrive_gets_408_too():
             writer.close()
             assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
             assert dep.router.metrics.client_closed.get("body_timeout") == 1
+    run(body())
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout():
+    async def body():
+        async with Deployment(client_write_timeout_s=0.5, chunks=1) as dep:
+            big = json.dumps({"choices": [{"index": 0, "delta": {"content": "x" * 65536}}]}).encode()
+            dep.d.fault, dep.d.inject = "inject_events", [big] * 400  # ~26 MB: more than every buffer between us
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            host, port = dep.url.removeprefix("http://").split(":")
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+            request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+            sock.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(request) + request)
+            try:
+                await poll(lambda: dep.router.metrics.client_closed.get("write_timeout") == 1)  # never reading
+                await poll(lambda: not dep.router.connections.live)
+            finally:
+                sock.close()
+            r = await dep.chat([{"role": "user", "content": "a reader"}], stream=False)
+            assert r.status == 200
     run(body())
