@@ -142,6 +142,7 @@ async def conversations(ports: list[int], concurrency: int, duration: float, log
     ttft: list[float] = []
     totals: list[float] = []
     counts = {"turns": 0, "could_hit": 0, "offered": 0, "failed": 0}
+    why: dict[str, int] = {}  # failed turns by status code, SSE error or exception
     origin = t_origin if t_origin is not None else time.perf_counter()
 
     async def user(uid: int) -> None:
@@ -160,9 +161,12 @@ async def conversations(ports: list[int], concurrency: int, duration: float, log
                     try:
                         t, total, status, head, data = await client.post("/v1/chat/completions", body)
                         ok = status == 200 and b'"error"' not in data and b"[DONE]" in data
-                    except (OSError, asyncio.IncompleteReadError, ValueError):
+                        reason = "" if ok else f"http_{status}" if status != 200 else "sse_error_or_no_done"
+                    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
                         client.close()
-                        ok, t, total, head = False, 0.0, 0.0, b""
+                        ok, t, total, head, reason = False, 0.0, 0.0, b"", type(e).__name__
+                    if not ok:
+                        why[reason] = why.get(reason, 0) + 1
                     counts["turns"] += 1
                     counts["failed"] += not ok
                     counts["could_hit"] += turn > 0
@@ -183,6 +187,7 @@ async def conversations(ports: list[int], concurrency: int, duration: float, log
     counts["ttft_p50_ms"] = pct(ttft, 0.5) * 1e3
     counts["ttft_p99_ms"] = pct(ttft, 0.99) * 1e3
     counts["total_p50_ms"] = pct(totals, 0.5) * 1e3
+    counts["why"] = why
     return counts
 
 
@@ -257,7 +262,7 @@ def part_hits(bed: Bed, duration: float, concurrency: int) -> None:
         res = asyncio.run(conversations(ports, concurrency, duration))
         hits = sum(scrape(p, "bidikv_router_reuse_hits_total") for p in ports)
         print(f"{label:<25} | {res['turns']:>5} | {res['could_hit']:>9} | {hits:>20.0f} | {hits / max(1, res['could_hit']):>8.3f}"
-              f" | {res['failed']:>6} | {load_average():.2f}", flush=True)
+              f" | {res['failed']:>6} | {load_average():.2f}" + (f"  failures: {res['why']}" if res["why"] else ""), flush=True)
         for proc, _ in routers:
             bed.stop(proc)
 
