@@ -221,6 +221,7 @@ class RedisStore:
         self._forget = client.register_script(_FORGET)
         self.stats = StoreStats()
         self.errors = 0  # calls that raised StoreUnavailable (failed, or refused while the store is down)
+        self.pending_polls = 0  # lookups repeated because another turn's update was pending
         self._size = 0  # live entries, as of the last script's answer (for the gauge; never a decision)
         self._down_until = -math.inf
         self._down = False
@@ -293,6 +294,7 @@ class RedisStore:
             self._size = int(reply[2])
             if reply[0] != b"pending":
                 break
+            self.pending_polls += 1
             await asyncio.sleep(_PENDING_POLL_S)
         if reply[0] == b"hit":
             entry = self._decode(reply[4])

@@ -181,14 +181,14 @@ async def test_a_lookup_on_another_replica_waits_for_a_pending_update(redis_serv
     await a.record_success("t", "c", entry([1], now + 100), now=now)
     await a.mark_pending("t", "c", 5.0)  # turn 2 ended on A; D's notification is on its way
 
-    async def lands_later():
-        await asyncio.sleep(0.2)
-        await a.record_success("t", "c", entry([1, 2, 3], time.monotonic() + 100, "d-turn2"), now=time.monotonic())
-        await a.clear_pending("t", "c")
-
-    writer = asyncio.create_task(lands_later())
-    got = await b.lookup("t", "c", ItemsPrompt([1, 2, 3, 4]), now=time.monotonic())
-    await writer
+    lookup = asyncio.create_task(b.lookup("t", "c", ItemsPrompt([1, 2, 3, 4]), now=time.monotonic()))
+    deadline = time.monotonic() + 4.0
+    while not b.pending_polls:  # B's lookup has seen the mark and waits
+        assert time.monotonic() < deadline and not lookup.done(), "the lookup did not wait for the pending update"
+        await asyncio.sleep(0.001)
+    await a.record_success("t", "c", entry([1, 2, 3], time.monotonic() + 100, "d-turn2"), now=time.monotonic())
+    await a.clear_pending("t", "c")
+    got = await lookup
     assert got.hit and got.entry.decode_instance == "d-turn2"  # not turn 1's entry, whose blocks P read
     await a.close()
     await b.close()
@@ -394,19 +394,15 @@ async def test_a_stuck_redis_costs_one_timeout_then_calls_fail_fast_until_it_ans
     import signal
 
     server = RedisServer().start()
-    store = RedisStore.from_url(server.url, prefix=unique_prefix(), timeout_s=0.3, retry_s=0.5)
+    store = RedisStore.from_url(server.url, prefix=unique_prefix(), timeout_s=0.3, retry_s=2.0)
     try:
         now = time.monotonic()
         await store.record_success("t", "c", entry([1], now + 100), now=now)
         os.kill(server.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable, match="Timeout"):  # waited for the timeout (once: no retry after it)
             await store.lookup("t", "c", ItemsPrompt([1, 2]), time.monotonic())
-        assert 0.25 <= time.monotonic() - t0  # waited for the timeout (once: no retry after a timeout)
-        t1 = time.monotonic()
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable, match="is down"):  # within retry_s: refused at once, not sent
             await store.lookup("t", "c", ItemsPrompt([1, 2]), time.monotonic())
-        assert time.monotonic() - t1 < 0.25  # within retry_s: refused at once, no second timeout
         os.kill(server.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while True:
