@@ -255,7 +255,9 @@ async def siege(router_port: int, pid: int, idle: int, slowloris: int, users: in
             attackers = [asyncio.ensure_future(hold_idle()) for _ in range(idle)]
             attackers += [asyncio.ensure_future(hold_slowloris()) for _ in range(slowloris)]
         window = sorted(latencies[last_lat:])
+        t_scrape = time.perf_counter()
         m = await scrape(router_port)
+        scrape_ms = round(1000 * (time.perf_counter() - t_scrape), 1)  # a stalled router shows here first
         rows.append({"t_s": round(time.monotonic() - t0, 1), "phase": "siege" if attackers else "calm",
                      "turns_per_s": served - last_served, "errors": errors - last_errors,
                      "p50_ms": round(1000 * window[len(window) // 2], 2) if window else None,
@@ -264,7 +266,7 @@ async def siege(router_port: int, pid: int, idle: int, slowloris: int, users: in
                      "router_client_connections": int(m.get("bidikv_router_client_connections", 0)),
                      "closed_header_timeout": int(m.get('bidikv_router_client_connections_closed_total{reason="header_timeout"}', 0)),
                      "refused_over_limit": int(m.get('bidikv_router_client_connections_closed_total{reason="over_limit"}', 0)),
-                     "rss_mb": round(rss_mb(pid), 1)})
+                     "metrics_scrape_ms": scrape_ms, "rss_mb": round(rss_mb(pid), 1)})
         last_served, last_errors, last_lat = served, errors, len(latencies)
         print(json.dumps(rows[-1]), flush=True)
     stop = True
@@ -279,7 +281,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("mode", choices=["flood", "siege"])
     ap.add_argument("--conversations", type=int, default=20_000, help="flood: conversations (one turn each)")
-    ap.add_argument("--blocks", type=int, default=2000, help="flood: block ids in each of D's answers")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="block ids in each of D's answers (default: 2000 for flood, 16 for siege, whose RSS is then "
+                         "the connections' and not the store's)")
     ap.add_argument("--max-store-bytes", type=int, default=128 * 2**20,
                     help="flood: the router's bound (0: a bound far above the flood, to show the growth it prevents)")
     ap.add_argument("--users", type=int, default=8, help="closed-loop clients sending normal turns")
@@ -291,6 +295,8 @@ def main() -> int:
     ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.blocks is None:
+        args.blocks = 2000 if args.mode == "flood" else 16
     if args.upstream:
         run_upstream(args.port, args.blocks)
         return 0
