@@ -30,6 +30,10 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+MIN_NIC_BYTES_PER_S = 1e6
+MIN_HEARTBEAT_INTERVAL_S = 0.1
+
+
 @dataclass(slots=True)
 class TopologyConfig:
     num_prefill: int = _f(1, "prefill instances (X in XpYd)")
@@ -135,6 +139,12 @@ class SimConfig:
             (p.expiry_margin_s >= 0 and math.isfinite(p.expiry_margin_s), "policy.expiry_margin_s", "must be finite and >= 0"),
             (p.max_conversations >= 1, "policy.max_conversations", "must be >= 1"),
             (math.isfinite(t.nic_line_rate_bytes_per_s), "topology.nic_line_rate_bytes_per_s", "must be finite"),
+            # Below these the run does not end in any useful time (the per-node sampler ticks through
+            # hours of transfer, a client through millions of heartbeats); a typo, e.g. Gbit/s for bytes/s.
+            (t.nic_line_rate_bytes_per_s * t.nic_efficiency >= MIN_NIC_BYTES_PER_S, "topology.nic_line_rate_bytes_per_s",
+             f"times nic_efficiency must be >= {MIN_NIC_BYTES_PER_S:g} bytes/s (p5en: 4e11)"),
+            (p.heartbeat_interval_s >= MIN_HEARTBEAT_INTERVAL_S, "policy.heartbeat_interval_s",
+             f"must be >= {MIN_HEARTBEAT_INTERVAL_S:g} s"),
             (math.isfinite(self.series_interval_s), "series_interval_s", "must be finite"),
             (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
             (self.num_clients >= 0, "num_clients", "must be >= 0"),
