@@ -144,18 +144,19 @@ FLAG_HELP: dict[str, str] = {
     "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
     "max_conversations": "conversation store bound (LRU eviction beyond it)",
     "max_store_bytes": "conversation store bound in bytes, as counted per entry (D's block ids are most of it; "
-                       "LRU eviction beyond it). In-process store only: size Redis with its own maxmemory",
+                       "LRU eviction beyond it; 512 MiB fits a 2 GB VM, ~6.5k conversations of 32k tokens). "
+                       "In-process store only: size Redis with its own maxmemory",
     "max_body_bytes": "largest request body accepted (413 beyond it)",
     "client_header_timeout_s": "a client must send a whole request head within this many seconds of connecting "
                                "(or of the first byte of its next request); then 408 and close. Bounds slowloris",
     "client_body_timeout_s": "a client must send its whole request body within this many seconds of its head; "
-                             "then 408 and close",
+                             "then 408 and close (30 s: the 8 MB maximum body needs ~2.2 Mbit/s)",
     "client_idle_timeout_s": "a kept-alive client connection with no new request is closed after this; keep it above "
-                             "your clients' own pool idle timeout",
+                             "your clients' own pool idle timeout (httpx 5 s, aiohttp 15 s) so none reuses a closing one",
     "client_write_timeout_s": "a client that takes none of the router's bytes for this long (it stopped reading; "
                               "its socket buffers are full) is disconnected, and D's request with it",
     "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
-                              "file-descriptor limit is raised to fit)",
+                              "file-descriptor limit is raised to fit; ~7 KB of RSS per idle connection)",
     "max_conversation_id_len": "longest conversation_id accepted",
     "max_model_len": "longest context (prompt + max_tokens) a request may ask for, refused with 400 beyond it; "
                      "0: learn each model's max_model_len from the instances' /v1/models",
