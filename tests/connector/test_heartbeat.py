@@ -102,21 +102,38 @@ def test_renewal_over_the_socket_extends_what_d_enforces_and_publishes(model_dir
 
 
 def test_an_idle_sleeping_scheduler_answers_within_a_slice_and_sends_the_deadline_next_step(model_dir, shutdown):
-    scheduler, cs = lease_node(model_dir, bidikv_idle_step_sleep_s=5.0)
+    """Order, not timing: the step is idle-waiting, the heartbeat arrives, the step ends -- before its
+    30 s pause (the longest the config allows) could have: a deadline, not a window."""
+    scheduler, cs = lease_node(model_dir, bidikv_idle_step_sleep_s=30.0)
     shutdown(scheduler)
     req, _ = finish_on_decode(scheduler, 61)
-    cs._engine_inbox = queue.Queue()  # as inside an engine core: the idle wait polls it
-    cs._sleep = time.sleep
+    busy, idle = queue.Queue(), queue.Queue()  # engine inboxes, as inside an engine core: the idle wait polls it
+    busy.put("new input")  # a step with input waiting never idles
+    waiting = threading.Event()
+
+    def sleep(seconds: float) -> None:  # the real sleep, and a signal that the idle wait has begun
+        waiting.set()
+        time.sleep(seconds)
+
+    cs._sleep = sleep
+    cs._engine_inbox = busy
     scheduler.schedule()
+    assert not waiting.is_set()
+    cs._engine_inbox = idle
     cs._clock.t = 1012.0
-    threading.Timer(0.2, lambda: setattr(cs, "beat", Heartbeat(cs.heartbeats.url, {"request_id": req.request_id}))).start()
-    t0 = time.monotonic()
-    so = scheduler.schedule()  # nothing to run: waits, until the heartbeat arrives
-    waited = time.monotonic() - t0
-    assert 0.15 < waited < 2.0, waited  # not the 5 s pause
+    step: dict = {}
+    stepping = threading.Thread(target=lambda: step.setdefault("out", scheduler.schedule()), daemon=True)
+    stepping.start()  # nothing to run: it waits, until the heartbeat arrives
+    assert waiting.wait(20), "the idle step never started waiting"
+    assert stepping.is_alive() and "out" not in step  # still waiting: nothing but a heartbeat can end it now
+    beat = Heartbeat(cs.heartbeats.url, {"request_id": req.request_id})
+    stepping.join(20)
+    assert not stepping.is_alive(), "the idle step did not end on the heartbeat"
+    so = step["out"]
     assert req.request_id not in so.kv_connector_metadata.reqs_to_send  # this step's metadata was built
-    cs.beat.join(5)
-    assert cs.beat.result[1]["expiry_time"] == pytest.approx(1042.0)
+    beat.join(60)
+    assert beat.result[1]["expiry_time"] == pytest.approx(1042.0)
+    cs._engine_inbox = busy
     so = scheduler.schedule()
     assert so.kv_connector_metadata.reqs_to_send[req.request_id] == pytest.approx(1042.0)
 
@@ -220,9 +237,8 @@ def test_a_taken_port_stops_the_scheduler_naming_the_key(model_dir):
 def test_a_scheduler_that_does_not_drain_in_time_gets_busy_not_a_hang():
     listener = HeartbeatListener("127.0.0.1", 0, "e", lambda rid: True, answer_timeout_s=0.2)
     try:
-        t0 = time.monotonic()
-        assert post(listener.url, {"request_id": "r"}) == (503, {"status": "busy"})
-        assert time.monotonic() - t0 < 2.0
+        # nothing drains: the answer is 503 after the listener's own 0.2 s, never the client's 60 s timeout
+        assert post(listener.url, {"request_id": "r"}, timeout=60) == (503, {"status": "busy"})
         # applied late all the same once the scheduler gets to it (the router kept its old expiry)
         assert listener.drain(lambda rid: {"status": "held"}) == 1
     finally:
