@@ -23,7 +23,10 @@ def register(subparsers: Any) -> None:
         "tune", help="sweep TTL x threshold x retention policy; recommend a vLLM config",
         description="Simulate every configuration of the grid on your workload, compare each with a clairvoyant oracle "
                     "and with bidirectional OFF, print the Pareto frontier of TTFT vs retained decode HBM and the "
-                    "recommended vLLM settings, ready to paste. Default workload (the same as bidikv simulate's): "
+                    "recommended vLLM settings, ready to paste. A lease keeps KV only while clients heartbeat, so "
+                    "every lease runs under each client renewal behaviour: the recommendation is for the one "
+                    "--client-renewal states, or, unstated, safe whether clients renew while open or never; a "
+                    "table shows how it moves across behaviours. Default workload (the same as bidikv simulate's): "
                     f"{describe_spec(SimConfig().workload)}, on 1P1D.")
     p.add_argument("--config", default=None, metavar="TOML", help="TOML config file (the base every sweep point changes)")
     add_config_flags(p)
