@@ -39,7 +39,7 @@ is the transfer time), release; (3) CPU of each process while both sit idle for 
 handshake (nothing of ours running: what NIXL/UCX threads burn) and during the timed phase, and thread
 counts; for each agent config:
 
-* ``prog_off``: ``enable_prog_thread=False, num_threads=1`` (keeps the CPU usable; shared/PITFALLS.md);
+* ``prog_off``: ``enable_prog_thread=False, num_threads=1`` (keeps the CPU usable; impl/connector/README.md);
 * ``prog_on``:  ``enable_prog_thread=True,  num_threads=1``.
 
 Seen here (see calibration/README.md, "NIXL loopback micro-benchmark"): below ~1,000 descriptors a

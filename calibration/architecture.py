@@ -29,7 +29,7 @@ Derived quantities (L layers, h hidden, n_h query heads, d head dim, b_kv bytes 
                               1 for the MLA latent, +1 for the DSA indexer cache: the descriptors per
                               KV block a transfer posts, per rank.
 
-Qwen3-32B (BF16): KV = 2 x 8 x 128 x 2 B x 64 = 262,144 B/token, 32 KiB per rank at TP8 (BRIEF.md).
+Qwen3-32B (BF16): KV = 2 x 8 x 128 x 2 B x 64 = 262,144 B/token, 32 KiB per rank at TP8.
 GLM-5-FP8 (BF16 latent): (576 x 2 + 132) x 78 = 100,152 B/token on each rank.
 
 Errors name the missing or invalid field.

@@ -336,7 +336,7 @@ def fitted_profile(result: FitResult, other: FitResult | None = None,
     provenance = {
         "source": "calibration.fit: bounded least squares (scipy.optimize.least_squares) on log(predicted/measured) "
                   "of the closed form (calibration.closed_form, under the profile's assembly) against "
-                  "../shared/BRIEF.md's published figures",
+                  "the published figures (calibration/data/published_figures.csv)",
         "inputs": {
             "figures": [{"prompt_tokens": f.prompt_tokens, "mode": f.mode, "metric": f.metric,
                          "measured_ms": f.measured_ms, "approximate": f.approximate, "source": f.source}

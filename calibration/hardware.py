@@ -1,4 +1,4 @@
-"""The hardware facts the latency models use (``data/hardware_<name>.json``; source: ../shared/BRIEF.md).
+"""The hardware facts the latency models use (``data/hardware_<name>.json``; source: AWS EC2 P5en specifications, https://aws.amazon.com/ec2/instance-types/p5/).
 
 Peak FLOP/s are dense (no sparsity) per GPU, by the dtype the matmuls run in; the EFA rate is per GPU
 (p5en: 3,200 Gbps over 8 GPUs = 400 Gbps = 50 GB/s each), and each TP rank's share of a KV transfer

@@ -17,7 +17,7 @@ b = KV bytes per token, whole model over the TP ranks):
       registered region on every rank), wire time at EFA line rate x efficiency (calibration.transfer).
 * reuse overhead    t = reuse_overhead_per_token_s * r
       calibrated, not physical: the ON path's measured growth beyond transfer + suffix compute
-      (../shared/BRIEF.md: "ON prefill grows ~12.5 us per context token, ~8 us/token more than transfer +
+      (from the published figures: "ON prefill grows ~12.5 us per context token, ~8 us/token more than transfer +
       suffix compute explain"); cause not identified (calibration.reuse).
 * decode step       t = decode_fixed_s + decode_per_seq_s * B + decode_per_ctx_token_s * sum(context)
       causes: weights read from HBM + per-layer launch/all-reduce cost, extra experts read per extra

@@ -1,4 +1,4 @@
-"""The published figures (``data/published_figures.csv``, source ../shared/BRIEF.md), the deployments
+"""The published figures (``data/published_figures.csv``, source: the AWS post, README.md), the deployments
 they were measured on, and the benchmark's turn shape.
 
 Each figure: model, prompt tokens, mode (``on``/``off`` = bidirectional KV transfer), metric
@@ -57,7 +57,7 @@ class MeasuredDeployment:
 
 @dataclass(frozen=True, slots=True)
 class BenchmarkShape:
-    """The published benchmark's turn (vLLM multi-turn client, BRIEF.md: user 120-160 tokens/turn,
+    """The published benchmark's turn (vLLM multi-turn client, vLLM PR #32553: user 120-160 tokens/turn,
     output 800-1,200): a later turn's prompt is the previous prompt + output + the new user tokens."""
 
     user_tokens: int = 140  # midpoint of 120-160

@@ -12,7 +12,7 @@ split K/V, 1 for an MLA latent, +1 for a DSA indexer cache) on every rank in par
 fixed cost; the bytes cross each rank's own NICs at line rate x efficiency.
 
 The published transfers cost ~4.4 us/token on both models although GLM-5 moves 3x the bytes per token
-(../shared/BRIEF.md), so the transfer is descriptor- and setup-bound; from one model alone the bytes term
+(calibration/README.md), so the transfer is descriptor- and setup-bound; from one model alone the bytes term
 cannot be told apart from the per-block term (both grow with tokens), which is why single-model fits fix
 ``efa_efficiency`` and only the two-model fit estimates it. Floor: bytes at line rate, nothing else.
 """

@@ -99,7 +99,7 @@ class ClientConfig:
         "bound, no real client does this)", choices=RENEWAL_BEHAVIOURS)
     # No public measurement of how long a chat page or API session stays open after a reply exists that we
     # know of: the default assumes users keep it open about as long as returning users take to come back,
-    # i.e. Mooncake's parent->child gap (p50 126 s, p90 480 s, ../shared/BRIEF.md via sim/workload/mooncake.py).
+    # i.e. Mooncake's parent->child gap (p50 126 s, p90 480 s, the public FAST'25 conversation trace, https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces, via sim/workload/mooncake.py).
     client_linger_p50_s: float = _f(126.0, "while_open: median seconds a client keeps renewing after a reply "
                                            "(ASSUMPTION: Mooncake's median return gap; no public measurement)")
     client_linger_p90_s: float = _f(480.0, "while_open: 90th percentile of that linger, lognormal between the two "

@@ -2,7 +2,7 @@
 
 A transfer first pays its fixed part (setup + per-descriptor work, from the profile), then moves its
 bytes as a flow. A flow's rate is the smallest of: the per-transfer rate the profile measured (one
-transfer alone is setup/overhead bound, not wire bound: see ../shared/BRIEF.md), and an equal share
+transfer alone is setup/overhead bound, not wire bound: see calibration/README.md), and an equal share
 of each endpoint NIC's usable capacity (line rate x efficiency). P->D and D->P flows use the same NICs
 and contend. Rates are recomputed only when a flow starts or ends (processor sharing), so the cost
 is per transfer, not per byte.

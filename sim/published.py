@@ -2,7 +2,7 @@
 
 The publication ran vLLM's multi-turn client on 1 prefill + 1 decode p5en.48xlarge node, prefix
 caching OFF on P, and reports TTFT, prefill duration and KV transfer at given prompt lengths (2k and
-24k/20k tokens). Closest published settings (../shared/BRIEF.md, vLLM PR #32553): 2 clients, 24
+24k/20k tokens). Closest published settings (vLLM PR #32553, https://github.com/vllm-project/vllm/pull/32553): 2 clients, 24
 conversations, common prefix 500 tokens, per-conversation prefix lognormal (mean 4,000, max 10,000),
 user 120-160 tokens/turn, output 800-1,200 tokens/turn, turns sent back to back.
 
@@ -66,7 +66,7 @@ def published_conversations(prompt_tokens: int, seed: int = 0) -> tuple[list[Con
 
 
 # The publication does not give P's token budget; P/D recipes raise it so a long prompt prefills in
-# one forward pass, which is also what the two-point fits in BRIEF.md assume.
+# one forward pass, which is also what a two-point fit of the published figures assumes.
 PREFILL_TOKEN_BUDGET = 32_768
 
 

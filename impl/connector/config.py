@@ -81,7 +81,7 @@ from impl.policy import (
 
 RECOMPUTE_POLICIES = ("fixed", "break_even")
 RETENTION_POLICIES = ("ttl", "lease", "gap_quantile")
-VLLM_DEFAULT_THRESHOLD = 64  # vLLM's kv_recompute_threshold (BRIEF.md)
+VLLM_DEFAULT_THRESHOLD = 64  # vLLM's kv_recompute_threshold default
 DEFAULT_NUM_THREADS = 1  # vLLM's default is 4; see bidikv_nixl_progress_thread and the README
 
 def _field_default(cls: type, name: str) -> Any:

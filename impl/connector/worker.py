@@ -4,8 +4,8 @@ vLLM builds its NIXL agent inside ``NixlBaseConnectorWorker.__init__`` as
 ``nixl_agent_config(num_threads=<extra config num_threads, default 4>, capture_telemetry=True)``;
 NIXL's Python API then starts the agent's progress thread with ``pthrDelay = 0``, i.e. a thread that
 spins without ever sleeping. On a small CPU machine those threads busy-poll the cores the model needs
-(``../shared/PITFALLS.md``: 100 % system CPU while idle, 128 KiB transfers taking up to 25 s, an engine
-hang).
+(measured on this project's 2-core machine, impl/connector/README.md: 100 % system CPU while idle,
+128 KiB transfers taking up to 25 s, an engine hang).
 
 Turning the progress thread off is not the answer: a NIXL READ over UCX (tcp wire-up, cma bytes)
 completes only when the *holder* of the blocks progresses its UCX worker too, and vLLM progresses it

@@ -99,7 +99,7 @@ class Model:
     served_name: str  # what clients, the router and the bench call it
     tensor_parallel_size: int
     max_model_len: int  # 0: vLLM's default
-    prefix_caching_on_prefill: bool  # the published measurement ran with it OFF on P (BRIEF.md)
+    prefix_caching_on_prefill: bool  # the published measurement ran with it OFF on P (the AWS post, README.md)
 
 
 @dataclass(frozen=True)

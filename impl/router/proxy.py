@@ -1,4 +1,4 @@
-"""One turn through P and D: the flow of BRIEF.md, with its faults handled.
+"""One turn through P and D: vLLM's bidirectional flow (RFC #32733), with its faults handled.
 
 1. Look the conversation up in impl.policy's store under the key's tenant, with the guard's prompt
    view (see :mod:`impl.router.request`). A hit yields the previous turn's D params; a miss (unknown,

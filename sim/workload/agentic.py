@@ -10,7 +10,7 @@ user (longer output); the last call always answers. The next call resends everyt
 result (after a tool call, following the tool's latency) or the user's follow-up (after an answer,
 following the user's think time).
 
-The defaults are illustrative assumptions, not measurements (BRIEF.md has none for agents): a
+The defaults are illustrative assumptions, not measurements (no public measurement of agent think times that we know of): a
 3,000-token system prompt with tool schemas, tool latency with median 2 s and p90 10 s, tool
 results averaging 1,200 tokens. Streams as in :mod:`sim.workload.synthetic`: ``rng_workload``
 for token counts and step kinds, ``rng_gaps`` for timing, with per-session sub-streams.

@@ -11,7 +11,7 @@ several we take the longest, and among equally long the latest (the most recent 
 session). ``input_length`` is the whole context the request sends, i.e. ``prompt_tokens``.
 
 With ``min_parent_blocks = 2`` and ties going to the latest, the parent->child links of the
-public trace reproduce BRIEF.md exactly (33.0 % continue; p10 42 s, p50 126 s, p90 480 s; 88 %
+public trace reproduce the published gap statistics exactly (33.0 % continue; p10 42 s, p50 126 s, p90 480 s; 88 %
 within 450 s; see :func:`trace_gap_stats`). Why those two:
 
 * ``min_parent_blocks = 2``: every request of the public trace starts with the same block (a system
@@ -242,7 +242,7 @@ def _common_full_block_prefix(requests: Sequence[TraceRequest], block_tokens: in
 
 @dataclass(frozen=True, slots=True)
 class GapStats:
-    """What to compare with BRIEF.md: share of requests that continue an earlier one, and their gaps."""
+    """What to compare with the published trace statistics: share of requests that continue an earlier one, and their gaps."""
 
     requests: int
     continuations: int
@@ -259,7 +259,7 @@ def gap_stats(conversations: Iterable[Conversation], *, within_s: float = 450.0)
 
     For a replayed trace that is the parent->child arrival gap within a conversation. A branch
     starts its own conversation, so here it counts as a start, not a continuation; to count every
-    parent->child link as BRIEF.md does, use :func:`trace_gap_stats` (in the public trace the two
+    parent->child link as those statistics do, use :func:`trace_gap_stats` (in the public trace the two
     differ by the 43 branches: 32.7 % vs 33.0 % continuing, p50 123 s vs 126 s).
     """
     gaps: list[float] = []
@@ -272,7 +272,7 @@ def gap_stats(conversations: Iterable[Conversation], *, within_s: float = 450.0)
 
 def trace_gap_stats(path: str | os.PathLike[str], rng: random.Random | None = None, *,
                     min_parent_blocks: int = 2, within_s: float = 450.0) -> GapStats:
-    """Gap statistics over every parent->child link of the trace, branches included (BRIEF.md's way).
+    """Gap statistics over every parent->child link of the trace, branches included (the published statistics' way).
 
     Without ``rng`` the gaps are the trace's own timestamps (multiples of the 3 s quantum), so the
     result is exact and reproducible; with it, arrivals are jittered as in :func:`load_trace`.

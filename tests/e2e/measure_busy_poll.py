@@ -35,7 +35,7 @@ CONFIGS = {
     # vLLM 0.32's own behaviour: num_threads 4, NIXL progress thread spinning (delay 0), vLLM's 1 ms idle stepping
     "vllm_default": {"num_threads": 4, "bidikv_nixl_progress_thread": True, "bidikv_nixl_progress_delay_us": 0,
                      "bidikv_idle_step_sleep_s": 0},
-    # the PITFALLS.md raw-NIXL remedy: progress thread off, one UCX thread
+    # the usual raw-NIXL remedy: progress thread off, one UCX thread
     "prog_off": {"num_threads": 1, "bidikv_nixl_progress_thread": False, "bidikv_idle_step_sleep_s": 0},
     # progress thread with a 1 ms delay, vLLM's idle stepping unchanged
     "delay_only": {"bidikv_idle_step_sleep_s": 0},

