@@ -106,11 +106,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# built once: json.loads with hooks would build a decoder and its scanner on every call
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     if _too_deep(raw, max_depth):
         raise RequestError("body", f"JSON nested deeper than {max_depth} levels")
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))  # as json.loads does
     except UnicodeDecodeError:
         raise RequestError("body", "must be UTF-8 JSON") from None
     except RecursionError:
@@ -193,14 +197,13 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
     return TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
 
 
-_MAY_SPELL_PARAMS = re.compile(rb"(?i:kv_transfer)|\\u")
-
-
 def refuse_nested_kv_params(body: dict[str, Any], raw: bytes) -> None:
     """``kv_transfer_params`` anywhere in the body (``vllm_xargs.kv_transfer_params``, inside a message
     ...): vLLM merges some of those places into what its connector reads, so every one is refused like
-    the top-level field. Skipped when the raw text cannot spell the key (no fragment of it, no escape)."""
-    if _MAY_SPELL_PARAMS.search(raw) is None:
+    the top-level field. vLLM matches the key exactly, so the raw text can spell it only literally or
+    with an escape; without either the walk is skipped (substring searches: ~1 us for 5 KB, where a
+    case-insensitive regex took ~50 us)."""
+    if b"kv_transfer_params" not in raw and (b"\\" not in raw or b"\\u" not in raw):  # one-byte search first: memchr
         return
     stack: list[tuple[str, Any]] = [("", body)]
     while stack:
@@ -208,7 +211,7 @@ def refuse_nested_kv_params(body: dict[str, Any], raw: bytes) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 where = f"{path}.{key}" if path else key
-                if key.casefold() == "kv_transfer_params":
+                if key == "kv_transfer_params":
                     raise RequestError(where, "is set by the router; clients must not send it, at any depth")
                 if isinstance(value, (dict, list)):
                     stack.append((where, value))

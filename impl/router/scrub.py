@@ -8,9 +8,10 @@ the upstream sent, that no spelling of them gets past the router:
 * JSON lets a key be written with escapes (``"kv_transfer_param\\u0073"``), so a literal substring
   test misses it; the params can also sit below the top level, and a payload that is not JSON cannot
   be cleaned at all.
-* A payload without ``\\u`` and without (in any letter case) a fragment of a sensitive name cannot
-  spell one in any JSON encoding; that is nearly every chunk vLLM streams, and it passes unparsed
-  (a regex test, well under a microsecond per event).
+* A payload without ``\\u`` and without (in any letter case: Go's encoding/json, for one, matches
+  keys without case) a fragment of a sensitive name cannot spell one in any JSON encoding; that is
+  nearly every chunk vLLM streams, and it passes unparsed. The test is ``bytes.lower`` and substring
+  searches, ~0.9 us for a 200-byte chunk here; a case-insensitive regex took 4 us.
 * Anything else is parsed and every sensitive key is removed at any depth. A payload that cannot be
   parsed is refused: the caller replaces it with an error (SSE) or a 502 (a body). Refusing is the
   only choice that cannot leak: the router cannot tell what a non-JSON reader would make of it.
@@ -19,11 +20,17 @@ the upstream sent, that no spelling of them gets past the router:
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-# Every sensitive key contains one of these fragments; spelt with any escape, its text contains \u.
-SUSPECT = re.compile(rb"\\u|(?i:kv_transfer|remote_|bidikv)")
+
+
+def suspect(data: bytes) -> bool:
+    """Whether ``data`` could spell a sensitive key: every one contains one of these fragments, and
+    spelt with any escape its text contains ``\\u``."""
+    if b"\\" in data and b"\\u" in data:  # the one-byte search is memchr; most chunks have no backslash
+        return True
+    lowered = data.lower()
+    return b"kv_transfer" in lowered or b"remote_" in lowered or b"bidikv" in lowered
 KV_KEY = "kv_transfer_params"
 
 
@@ -33,10 +40,6 @@ def is_sensitive_key(key: str) -> bool:
     reader that folds case finds nothing either."""
     k = key.casefold()
     return "kv_transfer" in k or k.startswith(("remote_", "do_remote_", "bidikv"))
-
-
-def suspect(data: bytes) -> bool:
-    return SUSPECT.search(data) is not None
 
 
 def _strip(value: Any) -> tuple[Any, bool]:
@@ -67,7 +70,7 @@ def scrub_event(data: bytes) -> tuple[bytes, bytes] | None:
     literally, so that capture takes D's params from it however D escaped the name; every other
     sensitive key is gone from both. Unchanged payloads come back as the same bytes object.
     """
-    if SUSPECT.search(data) is None:
+    if not suspect(data):
         return data, data
     try:
         obj = json.loads(data)
@@ -86,7 +89,7 @@ def scrub_event(data: bytes) -> tuple[bytes, bytes] | None:
 
 def scrub_body(raw: bytes) -> bytes | None:
     """A whole JSON body from P or D: the bytes to send the client, or None if it must not be sent."""
-    if SUSPECT.search(raw) is None:
+    if not suspect(raw):
         return raw
     try:
         obj = json.loads(raw)
@@ -94,9 +97,3 @@ def scrub_body(raw: bytes) -> bytes | None:
         return None
     _, changed = _strip(obj)
     return _encode(obj) if changed else raw
-
-
-def drop_comment(raw: bytes) -> bool:
-    """A data-less SSE block (a keep-alive comment, an ``event:``/``id:`` line) is forwarded as it
-    came, unless it could spell a KV location: clients ignore it, but a raw reader would not."""
-    return SUSPECT.search(raw) is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from impl.router.scrub import SUSPECT, scrub_event
+from impl.router.scrub import scrub_event, suspect
 
 _BOUNDARY = re.compile(rb"(?:\r\n|\n|\r)(?:\r\n|\n|\r)")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
@@ -44,7 +44,7 @@ class SSEEvent:
 def checked_event(raw: bytes, data: bytes | None) -> SSEEvent:
     """The event as the client may see it (see the module doc); ``data`` is what capture reads."""
     if data is None:
-        return SSEEvent(b"" if SUSPECT.search(raw) else raw, None)
+        return SSEEvent(b"" if suspect(raw) else raw, None)
     cleaned = scrub_event(data)
     if cleaned is None:
         return SSEEvent(format_event(REFUSED_DATA), REFUSED_DATA)
@@ -97,7 +97,7 @@ class SSESplitter:
                 block = buf[start:end + 2]
                 if buf.startswith(b"data: ", start) and find(b"\n", start, end) < 0:
                     data = buf[start + 6:end]  # one "data: ..." line
-                    events.append(SSEEvent(block, data) if SUSPECT.search(data) is None else checked_event(block, data))
+                    events.append(SSEEvent(block, data) if not suspect(data) else checked_event(block, data))
                 else:
                     events.append(checked_event(block, event_data(block)))
                 start = end + 2
