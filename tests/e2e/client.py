@@ -83,6 +83,20 @@ def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, st
     return TurnResult(text, ttft, time.monotonic() - t0, params, headers=headers)
 
 
+def complete_ids(base_url: str, prompt: list[int], max_tokens: int, timeout: float = 180.0, **extra: Any) -> TurnResult:
+    """One non-streamed ``/v1/completions`` turn on token ids; the answer's ids come back (``return_token_ids``)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logit_bias": NO_EOS_BIAS, "stream": False, "return_token_ids": True, **extra}
+    t0 = time.monotonic()
+    with _post(base_url + "/v1/completions", body, timeout) as resp:
+        headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-bidikv")}
+        obj = json.loads(resp.read())
+    choice = obj["choices"][0]
+    return TurnResult(choice.get("text") or "", None, time.monotonic() - t0, obj.get("kv_transfer_params"),
+                      headers=headers, prompt_token_ids=choice.get("prompt_token_ids") or obj.get("prompt_token_ids"),
+                      token_ids=choice.get("token_ids"))
+
+
 def direct_turn(prefill_url: str, decode_url: str, messages: list[dict[str, Any]], max_tokens: int,
                 d_params: dict[str, Any] | None, timeout: float = 180.0, **extra: Any) -> TurnResult:
     """P then D like vLLM's proxy; ``d_params`` are D's params of the previous turn (or None)."""

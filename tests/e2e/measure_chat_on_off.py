@@ -24,7 +24,8 @@ import uuid
 from pathlib import Path
 
 from tests.e2e.client import chat
-from tests.e2e.deployment import DeploymentSpec, start_deployment
+from tests.e2e.deployment import start_deployment
+from tests.e2e.measure_on_off import on_off_spec
 from tests.e2e.tiny_model import build_tiny_model
 
 TOPICS = ["bicycle gears", "lighthouse keepers", "steam engines", "river tides", "volcano magma", "refrigerators"]
@@ -66,11 +67,7 @@ def main() -> int:
     templates = {"plain": {}, "reasoning-strip": {"think": True}}
     results: dict[tuple[str, str], list[dict]] = {}
     for mode in ("on", "off"):
-        spec = DeploymentSpec(threshold=args.threshold, decoder_ttl_s=480.0, reference=False, router=True,
-                              prefill_extra={"bidirectional_kv_xfer": mode == "on"},
-                              decode_extra={"bidirectional_kv_xfer": mode == "on"},
-                              prefill_args=["--no-enable-prefix-caching"], max_model_len=4096)
-        dep = start_deployment(model, out_dir / f"logs-{mode}", spec)
+        dep = start_deployment(model, out_dir / f"logs-{mode}", on_off_spec(mode, args.threshold))
         try:
             converse(dep.router.url, {}, 2, 16, 0.5, "warm-up")  # the first NIXL handshakes are slow
             for name, template in templates.items():

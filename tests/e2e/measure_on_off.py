@@ -76,10 +76,7 @@ def main() -> int:
     config.write_text(WORKLOAD_TOML.format(seed=args.seed, conversations=args.conversations, messages=args.messages))
     files = {}
     for mode in ("on", "off"):
-        spec = DeploymentSpec(threshold=args.threshold, decoder_ttl_s=480.0, reference=False, router=True,
-                              prefill_extra={"bidirectional_kv_xfer": mode == "on"},
-                              decode_extra={"bidirectional_kv_xfer": mode == "on"},
-                              prefill_args=["--no-enable-prefix-caching"], max_model_len=4096)
+        spec = on_off_spec(mode, args.threshold)
         started = time.monotonic()
         dep = start_deployment(model, out_dir / f"logs-{mode}", spec)
         try:
@@ -94,6 +91,14 @@ def main() -> int:
     print(turn_table({m: read_jsonl(f) for m, f in files.items()}))
     print(f"JSONL: {files['on']} {files['off']}")
     return 0
+
+
+def on_off_spec(mode: str, threshold: int) -> DeploymentSpec:
+    """P and D with bidirectional transfer on or off, P without prefix caching (the published setup)."""
+    return DeploymentSpec(threshold=threshold, decoder_ttl_s=480.0, reference=False, router=True,
+                          prefill_extra={"bidirectional_kv_xfer": mode == "on"},
+                          decode_extra={"bidirectional_kv_xfer": mode == "on"},
+                          prefill_args=["--no-enable-prefix-caching"], max_model_len=4096)
 
 
 def _warmup_config(out_dir: Path, seed: int) -> Path:

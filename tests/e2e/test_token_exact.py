@@ -29,6 +29,7 @@ from impl.policy.prefix_check import verified_tokens_model
 from tests.e2e.client import chat, direct_turn
 from tests.e2e.conftest import E2E, unique_system
 from tests.e2e.deployment import BLOCK_SIZE, delta, pull_counters
+from tests.policy.test_prefix_check import common_prefix
 
 TEMPLATES = {"plain": {}, "trim": {"trim": True}, "think": {"think": True}}
 ANSWER = 48
@@ -37,15 +38,6 @@ QUESTIONS = ["Tell me about the history of the bicycle, in detail please. " * 2,
              "And the brakes, how do they work? " * 2]
 
 RESULTS: list[dict] = []  # one row per later turn, printed at the end of the module (the closing table)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def expected_verified(held: list[int], held_prompt_len: int, prompt: list[int]) -> int:
@@ -121,6 +113,28 @@ def _report_from_headers(headers: dict[str, str]) -> dict | None:
             "reason": h["x-bidikv-reuse-verify"]}
 
 
+def test_token_id_prompts_verify_and_pull_everything_d_holds(e2e: E2E):
+    """Where the ids do continue D's (a client sending token ids), the whole held sequence verifies."""
+    from tests.e2e.client import complete_ids
+    from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE
+
+    cid = f"ids-{uuid.uuid4().hex}"
+    rng = __import__("random").Random(uuid.uuid4().int)
+    prompt = [rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(150)]
+    for turn in (1, 2, 3):
+        ref = complete_ids(e2e.reference, prompt, ANSWER)
+        before = e2e.counters()
+        got = complete_ids(e2e.router, prompt, ANSWER, conversation_id=cid)
+        d = e2e.settled_delta(before)
+        assert got.token_ids == ref.token_ids, f"turn {turn}: output ids differ from the reference"
+        if turn > 1:
+            report = _report_from_headers(got.headers or {})
+            assert report == {"offered": len(held), "verified": len(held), "pulled": len(held), "reason": "full"}, report
+            assert d["p"]["external_tokens"] == len(held), d
+        held = prompt + list(ref.token_ids)[:-1]
+        prompt = prompt + list(ref.token_ids) + [rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(40)]
+
+
 def test_the_reasoning_template_keeps_the_history_before_the_stripped_opener(e2e: E2E):
     """What item 3 promises: with thinking dropped from earlier answers, P still reuses the whole
     history up to the previous answer (within one block of it)."""
@@ -136,3 +150,39 @@ def teardown_module(module):
         for r in RESULTS:
             print(f"{r['template']:8} {r['path']:7} {r['turn']:4} {r['offered']:7} {r['verified']:8} "
                   f"{r['pulled']:6} {r['agree']:5} {r['reason']:7} {'yes' if r['text_equal'] else 'NO'}")
+
+
+@pytest.mark.parametrize("gap", ["stop", "logprobs"])
+def test_text_vs_token_gaps_reuse_only_what_verifies(e2e: E2E, gap: str):
+    """``stop``: D's held ids include the stop string's tokens, which the client never sees nor resends;
+    ``logprobs``: changes nothing D holds. Either way P pulls exactly what verifies and the text is right."""
+    extra = {"stop": ["e"]} if gap == "stop" else {"logprobs": True, "top_logprobs": 2}
+    cid = f"gap-{gap}-{uuid.uuid4().hex}"
+    messages = [unique_system(f"gap-{gap}"), {"role": "user", "content": QUESTIONS[0]}]
+    ref1 = chat(e2e.reference, messages, max_tokens=ANSWER, stream=False, return_token_ids=True, **extra)
+    first = chat(e2e.router, messages, max_tokens=ANSWER, conversation_id=cid, **extra)
+    assert first.text == ref1.text
+    if gap == "stop":
+        assert len(ref1.token_ids) < ANSWER, "the stop string never came: the test shows nothing"
+    held = list(ref1.prompt_token_ids) + list(ref1.token_ids)[:-1]
+    messages = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": QUESTIONS[1]}]
+    ref2 = chat(e2e.reference, messages, max_tokens=ANSWER, stream=False, return_token_ids=True, **extra)
+    before = e2e.counters()
+    second = chat(e2e.router, messages, max_tokens=ANSWER, conversation_id=cid, **extra)
+    d = e2e.settled_delta(before)
+    assert second.text == ref2.text
+    report = _report_from_headers(second.headers or {})
+    verified = expected_verified(held, len(ref1.prompt_token_ids), ref2.prompt_token_ids)
+    assert report["verified"] == verified and d["p"]["external_tokens"] == report["pulled"] <= verified, (report, d)
+
+
+def test_several_choices_are_served_but_never_offered(e2e: E2E):
+    """``n`` > 1: D holds several sequences; the router neither stores nor offers such a turn."""
+    cid = f"n2-{uuid.uuid4().hex}"
+    messages = [unique_system("n2"), {"role": "user", "content": QUESTIONS[0]}]
+    chat(e2e.router, messages, max_tokens=8, conversation_id=cid, n=2)
+    messages = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": QUESTIONS[1]}]
+    before = e2e.counters()
+    chat(e2e.router, messages, max_tokens=8, conversation_id=cid)
+    d = e2e.settled_delta(before)
+    assert d["router"]["hits"] == 0 and d["p"]["external_tokens"] == 0, d
