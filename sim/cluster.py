@@ -27,7 +27,7 @@ from sim.prefill import PrefillNode
 from sim.records import TurnRecord, summarize
 from sim.rng import stream
 from sim.router import Router
-from sim.workload.model import Conversation
+from sim.workload.model import Conversation, Lineage, agreement
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Cluster:
         if index >= len(conv.turns):
             return None
         turn = conv.turns[index]
-        if turn.history_revision != conv.turns[index - 1].history_revision:
+        if agreement(conv.turns[index - 1], turn) == 0:  # the next prompt shares nothing D holds
             return None
         return now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, now)
 
@@ -94,6 +94,7 @@ class Cluster:
         if conv.start_s > env.now:
             yield env.timeout(conv.start_s - env.now)
         renew_until = release = env.now
+        lineage = Lineage(conv.turns)  # what each prompt shares with what earlier turns left on P and D
         for index, turn in enumerate(conv.turns):
             if index:
                 yield from self._heartbeats(key, renew_until, release, lease)
@@ -103,7 +104,7 @@ class Cluster:
             self._turn_index[key] = index
             rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
             self.records.append(rec)
-            yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens)
+            yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage)
             nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
             if nxt is not None:
                 release = env.now + nxt.gap_before_s if nxt.arrival_s is None else max(nxt.arrival_s, env.now)

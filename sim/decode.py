@@ -8,6 +8,11 @@ Blocks on D are in one of five states, and their sum never exceeds the pool:
 * reading  -- retained blocks P is reading right now (pinned until the read ends)
 * cached   -- unpinned but still hash-cached (vLLM prefix caching on D): reusable, evicted LRU first
 
+Each holding remembers which turn of its conversation it is, so a local hit on D never extends past
+the first token where the new prompt differs from what D holds (vLLM's cache is keyed by token
+hashes); across a history revision D's local cache serves nothing (conservative). A D->P read is not
+refused on revision: P verified the token ids of what it pulls (impl.policy.prefix_check).
+
 Decode advances one segment at a time: between events the batch is fixed, so k steps cost
 ``k * step(B, C) + slope * k (k - 1) / 2`` in closed form (context grows by B tokens a step), and no
 per-token event exists. Joining sequences wait for the next step boundary.
@@ -27,6 +32,7 @@ from sim.records import NodeTotals, TurnRecord
 
 if TYPE_CHECKING:
     from calibration.profile import LatencyProfile
+    from sim.workload.model import Lineage
 
 
 class _Seq:
@@ -63,10 +69,12 @@ class DecodeNode:
         self.running_blocks = 0
         self.arriving_blocks = 0
         self.retained = RetainedPool()
-        self._retained_meta: dict[Any, tuple[int, int, float]] = {}  # key -> (tokens, revision, finished_at)
-        self._reading: dict[Any, tuple[int, int, int]] = {}  # key -> (tokens, revision, blocks)
+        # key -> (tokens, revision, finished_at, turn): "turn" is the conversation's turn whose prompt + output they hold
+        self._retained_meta: dict[Any, tuple[int, int, float, int]] = {}
+        self._reading: dict[Any, tuple[int, int, int, int]] = {}  # key -> (tokens, revision, blocks, turn)
         self.reading_blocks = 0
-        self._cache: collections.OrderedDict[Any, tuple[int, int, int]] = collections.OrderedDict()
+        # key -> (tokens, revision, blocks, turn)
+        self._cache: collections.OrderedDict[Any, tuple[int, int, int, int]] = collections.OrderedDict()
         self.cached_blocks = 0
         self._fate: dict[Any, str] = {}  # why a key is no longer retained (for the miss reason P reports)
         # queues
@@ -99,18 +107,18 @@ class DecodeNode:
                 break
             self._integrate_retained(nxt)
             for key, blocks in self.retained.pop_expired(nxt):
-                tokens, revision, _ = self._retained_meta.pop(key)
+                tokens, revision, _, turn = self._retained_meta.pop(key)
                 self._fate[key] = "expired"
-                self._to_cache(key, tokens, revision, blocks)
+                self._to_cache(key, tokens, revision, blocks, turn)
         self._integrate_retained(now)
 
-    def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int) -> None:
+    def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int, turn: int) -> None:
         if not self.prefix_caching:
             return
         old = self._cache.pop(key, None)
         if old is not None:
             self.cached_blocks -= old[2]
-        self._cache[key] = (tokens, revision, blocks)
+        self._cache[key] = (tokens, revision, blocks, turn)
         self.cached_blocks += blocks
 
     def _check(self) -> None:
@@ -122,14 +130,14 @@ class DecodeNode:
     def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
         self._integrate_retained(now)
         self.retained.add(key, blocks, expires_at)
-        self._retained_meta[key] = (tokens, revision, now)
+        self._retained_meta[key] = (tokens, revision, now, 0)  # the caller names the turn held
         self._fate.pop(key, None)
         self.totals.peak_retained_blocks = max(self.totals.peak_retained_blocks, self.retained.blocks)
 
     def _make_room(self, needed: int, now: float) -> bool:
         """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
         while self.free_blocks < needed and self._cache:
-            _, (_, _, blocks) = self._cache.popitem(last=False)
+            _, (_, _, blocks, _) = self._cache.popitem(last=False)
             self.cached_blocks -= blocks
         if self.free_blocks >= needed:
             return True
@@ -160,7 +168,9 @@ class DecodeNode:
         return meta[0] if meta else 0
 
     def begin_read(self, key: Any, revision: int, now: float) -> str:
-        """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined."""
+        """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined.
+
+        ``revision`` no longer matters: P verified the token ids of the prefix it reads."""
         self._advance_retention(now)
         meta = self._retained_meta.get(key)
         if meta is None:
@@ -168,20 +178,18 @@ class DecodeNode:
         expires_at = self.retained.expiry(key)
         if now >= expires_at - self.margin:  # vLLM's P declines reads this close to expiry
             return "expired"
-        if meta[1] != revision:
-            return "guard"
         blocks = self.retained.discard(key)
         del self._retained_meta[key]
-        self._reading[key] = (meta[0], meta[1], blocks)
+        self._reading[key] = (meta[0], meta[1], blocks, meta[3])
         self.reading_blocks += blocks
         return ""
 
     def end_read(self, key: Any, now: float) -> None:
         """P notified D that its read finished: the blocks are unpinned (still hash-cached)."""
-        tokens, revision, blocks = self._reading.pop(key)
+        tokens, revision, blocks, turn = self._reading.pop(key)
         self.reading_blocks -= blocks
         self._fate[key] = "read"
-        self._to_cache(key, tokens, revision, blocks)
+        self._to_cache(key, tokens, revision, blocks, turn)
         self._released()
 
     def renew(self, key: Any, now: float) -> float | None:
@@ -198,12 +206,14 @@ class DecodeNode:
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------
-    def serve(self, rec: TurnRecord, key: Any, revision: int, p_name: str) -> Generator[simpy.Event, Any, None]:
-        """simpy process body: take the prompt's KV (local hit + pull from P), decode, finish."""
+    def serve(self, rec: TurnRecord, key: Any, revision: int, p_name: str,
+              lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
+        """simpy process body: take the prompt's KV (local hit + pull from P), decode, finish. ``lineage``:
+        what the prompt shares with earlier turns (None: every turn continues the last faithfully)."""
         env, profile = self.env, self.profile
         n = rec.prompt_tokens
         self._advance_retention(env.now)
-        hit_tokens, hit_blocks = self._take_local(key, revision, n)
+        hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
         needed = self._blocks_for(n) - hit_blocks
@@ -234,24 +244,28 @@ class DecodeNode:
             self._wake.succeed()
         yield done
 
-    def _take_local(self, key: Any, revision: int, prompt_tokens: int) -> tuple[int, int]:
-        """Reuse this conversation's blocks still on D (retained or cached) if they prefix the prompt."""
+    def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
+                    turn: int = 0) -> tuple[int, int]:
+        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the prompt."""
         tokens = blocks = 0
+        held_turn = turn
         meta = self._retained_meta.get(key)
         if meta is not None and meta[1] == revision:
             self._integrate_retained(self.env.now)
             blocks = self.retained.discard(key)
-            tokens = meta[0]
+            tokens, held_turn = meta[0], meta[3]
             del self._retained_meta[key]
             self._fate[key] = "taken"
         else:
             cached = self._cache.get(key)
             if cached is not None and cached[1] == revision:
                 del self._cache[key]
-                tokens, _, blocks = cached
+                tokens, _, blocks, held_turn = cached
                 self.cached_blocks -= blocks
         if not blocks:
             return 0, 0
+        if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
+            tokens = min(tokens, lineage.held_agreement(turn, held_turn))
         # vLLM reuses whole blocks and computes at least the last prompt token
         usable = min(tokens, prompt_tokens - 1) // self.profile.block_size * self.profile.block_size
         # blocks beyond the usable prefix are simply not kept: they return to the free pool
@@ -398,11 +412,12 @@ class DecodeNode:
                 expires_at = self.retention_expiry(seq.key, now)
                 if expires_at > now:
                     self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
+                    self._retained_meta[seq.key] = self._retained_meta[seq.key][:3] + (seq.rec.turn,)
                 else:
                     expires_at = None
-                    self._to_cache(seq.key, seq.context, seq.revision, seq.blocks)
+                    self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             else:
-                self._to_cache(seq.key, seq.context, seq.revision, seq.blocks)
+                self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             self.on_finish(self, seq, expires_at)
             seq.done.succeed()
         self._released()

@@ -1,7 +1,9 @@
 """A prefill node: optional prefix cache, the pull-vs-recompute decision, the D->P pull, chunked prefill.
 
 A turn's life on P (vLLM's NixlConnector with ``bidirectional_kv_xfer``): the local prefix-cache hit
-is applied first; if the router sent D's params, impl.policy decides pull or recompute; a pull waits
+is applied first; if the router sent D's params, P verifies which leading tokens D holds equal its
+prompt's (impl.policy.prefix_check; here its count model, ``verified_tokens_model``), and impl.policy
+decides pull or recompute on that verified count; a pull waits
 asynchronously (other requests keep computing) and is declined, falling back to recompute
 (``kv_load_failure_policy: "recompute"``), when D no longer holds the blocks or they are within the
 expiry margin; then the remaining suffix joins the batch loop, which forms steps under the token
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Generator
 import simpy
 
 from impl.policy import PullCandidate, TransferPath
+from impl.policy.prefix_check import verified_tokens_model
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
     from calibration.profile import LatencyProfile
     from sim.decode import DecodeNode
     from sim.records import TurnRecord
+    from sim.workload.model import Lineage
 
 SHARED_PREFIX_KEY = ("", "__shared_prefix__")
 
@@ -31,20 +35,26 @@ class PrefixCache:
     conversation at one history revision (plus one entry for the prefix all conversations share).
 
     Coarser than vLLM's per-block LRU (a conversation's blocks leave together), which keeps the cost
-    per turn O(1); reported hits are block-aligned like vLLM's.
+    per turn O(1); reported hits are block-aligned like vLLM's. vLLM's cache is keyed by token hashes,
+    so a hit never extends past the first token where the new prompt differs from the cached one
+    (``Lineage.prompt_agreement``); across a history revision it serves nothing (conservative).
     """
 
     def __init__(self, capacity_blocks: int, block_size: int) -> None:
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
-        self._entries: collections.OrderedDict[Any, tuple[int, int]] = collections.OrderedDict()
+        # key -> (tokens, revision, turn whose prompt they are)
+        self._entries: collections.OrderedDict[Any, tuple[int, int, int]] = collections.OrderedDict()
         self.used_blocks = 0
 
-    def hit_tokens(self, key: Any, revision: int, prompt_tokens: int, shared_prefix_tokens: int) -> int:
+    def hit_tokens(self, key: Any, revision: int, prompt_tokens: int, shared_prefix_tokens: int,
+                   lineage: "Lineage | None" = None, turn: int = 0) -> int:
         best = 0
         entry = self._entries.get(key)
         if entry is not None and entry[1] == revision:
             best = min(entry[0], prompt_tokens)
+            if lineage is not None and entry[2] != turn:
+                best = min(best, lineage.prompt_agreement(turn, entry[2]))
             self._entries.move_to_end(key)
         shared = self._entries.get(SHARED_PREFIX_KEY)
         if shared is not None and shared_prefix_tokens:
@@ -54,12 +64,12 @@ class PrefixCache:
         best = min(best, prompt_tokens - 1)
         return max(best, 0) // self.block_size * self.block_size
 
-    def insert(self, key: Any, revision: int, tokens: int, shared_prefix_tokens: int) -> None:
-        self._put(key, tokens, revision)
+    def insert(self, key: Any, revision: int, tokens: int, shared_prefix_tokens: int, turn: int = 0) -> None:
+        self._put(key, tokens, revision, turn)
         if shared_prefix_tokens:
-            self._put(SHARED_PREFIX_KEY, shared_prefix_tokens, 0)
+            self._put(SHARED_PREFIX_KEY, shared_prefix_tokens, 0, 0)
 
-    def _put(self, key: Any, tokens: int, revision: int) -> None:
+    def _put(self, key: Any, tokens: int, revision: int, turn: int) -> None:
         blocks = -(-tokens // self.block_size)
         if blocks > self.capacity_blocks:
             return
@@ -67,9 +77,9 @@ class PrefixCache:
         if old is not None:
             self.used_blocks -= -(-old[0] // self.block_size)
         while self.used_blocks + blocks > self.capacity_blocks:
-            _, (old_tokens, _) = self._entries.popitem(last=False)
+            _, (old_tokens, _, _) = self._entries.popitem(last=False)
             self.used_blocks -= -(-old_tokens // self.block_size)
-        self._entries[key] = (tokens, revision)
+        self._entries[key] = (tokens, revision, turn)
         self.used_blocks += blocks
 
 
@@ -98,17 +108,27 @@ class PrefillNode:
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
-              remote: "tuple[DecodeNode, int] | None") -> Generator[simpy.Event, Any, None]:
-        """simpy process body: prefill ``rec``'s prompt, pulling from ``remote`` = (D, tokens held) if worth it."""
+              remote: "tuple[DecodeNode, int, int, int] | None",
+              lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
+        """simpy process body: prefill ``rec``'s prompt, pulling the verified part of what ``remote`` =
+        (D, tokens held, turn held, that turn's prompt tokens) holds if worth it. ``lineage``: what the
+        prompt shares with earlier turns (None: every turn continues the last faithfully)."""
         profile = self.profile
         n = rec.prompt_tokens
-        local_hit = self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens) if self.cache else 0
+        local_hit = (self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens, lineage, rec.turn)
+                     if self.cache else 0)
         rec.p_local_hit_tokens = local_hit
         reused = 0
         if remote is not None:
-            d_node, remote_tokens = remote
-            decision = self.recompute_policy.decide(PullCandidate(n, remote_tokens, local_hit, profile.block_size,
-                                                                  TransferPath.DECODE_TO_PREFILL))
+            d_node, remote_tokens, held_turn, held_prompt = remote
+            agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
+            verified = verified_tokens_model(remote_tokens, held_prompt, agreeing, n, profile.block_size)
+            candidate = PullCandidate(n, min(remote_tokens, verified), local_hit, profile.block_size,
+                                      TransferPath.DECODE_TO_PREFILL)
+            # what P's connector reports (impl/connector/scheduler.py): each count beyond the local hit
+            rec.offered_tokens = max(0, min(remote_tokens, n) - local_hit)
+            rec.verified_tokens = max(0, candidate.reusable_tokens)
+            decision = self.recompute_policy.decide(candidate)
             rec.decision_reason = decision.reason.value
             if decision.pull:
                 refusal = d_node.begin_read(conv_key, revision, self.env.now)
@@ -116,7 +136,7 @@ class PrefillNode:
                     rec.decision, rec.miss_reason = "recompute", refusal
                 else:
                     rec.decision = "pull"
-                    reused = decision.tokens
+                    reused = rec.pulled_tokens = decision.tokens
                     nbytes = profile.transfer_bytes(reused)
                     fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
                     rec.d2p_transfer_s = yield from (
@@ -126,7 +146,9 @@ class PrefillNode:
                     if rec.reuse_overhead_s > 0:
                         yield self.env.timeout(rec.reuse_overhead_s)
             else:
-                rec.decision, rec.miss_reason = "recompute", decision.reason.value
+                # below the threshold only because the prompt diverges from what D holds: say so
+                diverged = rec.verified_tokens < rec.offered_tokens
+                rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else decision.reason.value
         else:
             rec.decision = "none"
         if n - local_hit - reused < 1:  # vLLM always computes the last prompt token (it needs its logits)
@@ -144,7 +166,7 @@ class PrefillNode:
         rec.p_queue_s = job.started_at - job.enqueued_at
         rec.prefill_compute_s = self.env.now - job.started_at
         if self.cache is not None:
-            self.cache.insert(conv_key, revision, n, shared_prefix_tokens)
+            self.cache.insert(conv_key, revision, n, shared_prefix_tokens, rec.turn)
 
     # -- the engine loop ----------------------------------------------------------------------
     def _batch_loop(self) -> Generator[simpy.Event, Any, None]:

@@ -42,6 +42,12 @@ class TurnRecord:
     completion_s: float = math.nan
     preempted: int = 0
     rejected: str = ""  # non-empty: why the turn did not complete
+    # token-exact reuse (as P's connector reports it, each beyond P's local hit): D's tokens the router
+    # offered (min(held, prompt) - local hit), the part of them P verified equal to its prompt's ids,
+    # and what it pulled (the recompute policy decides on the verified count)
+    offered_tokens: int = 0
+    verified_tokens: int = 0
+    pulled_tokens: int = 0
 
     @property
     def prefill_s(self) -> float:
@@ -113,6 +119,10 @@ def summarize(records: Sequence[TurnRecord], bytes_per_block: float, decode_tota
         "miss_reasons": dict(sorted(misses.items())),
         "tokens_reused": sum(r.reused_tokens for r in done),  # = prompt tokens P did not recompute thanks to D
         "tokens_recomputed": sum(r.recomputed_tokens for r in done),
+        # what the router offered from D, what P verified of it (token ids equal) and what P pulled
+        "tokens_offered": sum(r.offered_tokens for r in done),
+        "tokens_verified": sum(r.verified_tokens for r in done),
+        "tokens_pulled": sum(r.pulled_tokens for r in done),
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "retained_hbm_gb_s": sum(t.retained_block_seconds for t in decode_totals.values()) * gb,
         "peak_retained_hbm_gb": max((t.peak_retained_blocks for t in decode_totals.values()), default=0) * gb,

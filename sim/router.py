@@ -1,6 +1,11 @@
 """The router, as a real one sees the world: it runs impl.policy's conversation store and placement
 verbatim, learns D's params and expiry from D's finished response, and never reads a turn's future
-(output length, next arrival)."""
+(output length, next arrival).
+
+Like the real router since P verifies token ids (impl.policy.prefix_check), it offers D's blocks
+without the message-level guard (entries carry ``held_digest=None``); tenant scoping and the expiry
+margin stay. D's published checkpoints are modelled by the turn D holds and that turn's prompt length
+(the checkpoints' anchor), which P turns into a verified count with ``verified_tokens_model``."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import simpy
 from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, PlacementRequest
 
 if TYPE_CHECKING:
+    from sim.workload.model import Lineage
     from sim.decode import DecodeNode, _Seq
     from sim.prefill import PrefillNode
     from sim.records import TurnRecord
@@ -50,7 +56,10 @@ class Router:
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
         self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
 
-    def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int) -> Generator[simpy.Event, Any, None]:
+    def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int,
+               lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
+        """``lineage``: what the conversation's prompts share with earlier turns (None: every turn
+        continues the last faithfully); only P's verification and the caches read it."""
         env = self.env
         now = env.now
         n = rec.prompt_tokens
@@ -62,7 +71,9 @@ class Router:
             found = self.store.lookup(key[0], key[1], SyntheticPrompt(key[1], revision, n), now)
             if found.hit:
                 rec.store_hit = True
-                remote = (self._decode_by_name[found.entry.decode_instance], found.entry.num_tokens)
+                params = found.entry.kv_params
+                remote = (self._decode_by_name[found.entry.decode_instance], found.entry.num_tokens,
+                          params["held_turn"], params["held_prompt_tokens"])
             elif rec.turn > 0:
                 rec.miss_reason = found.miss.value
         elif rec.turn > 0:
@@ -75,14 +86,14 @@ class Router:
         p_name = self.p_placement.pick(p_loads, p_req, self.rng)
         p_node = next(p for p in self.prefill if p.name == p_name)
         rec.prefill_instance = p_name
-        yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote)
+        yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage)
         self._last_prefill[key] = (p_name, n)
         d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
         d_loads = [InstanceLoad(d.name, running_requests=len(d.running), used_blocks=d.running_blocks + d.arriving_blocks,
                                 retained_blocks=d.retained.blocks, total_blocks=d.capacity) for d in self.decode]
         d_name = self.d_placement.pick(d_loads, d_req, self.rng)
         rec.decode_instance = d_name
-        yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name)
+        yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage)
 
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
@@ -90,9 +101,11 @@ class Router:
         self._last_finish[key] = (d_node.name, self.env.now)
         if expires_at is None:
             return
-        prompt = SyntheticPrompt(key[1], seq.revision, seq.context)
-        entry = ConversationEntry(d_node.name, {"remote_num_tokens": seq.context}, expires_at, seq.context,
-                                  seq.context, prompt.prefix_digest(seq.context), self.env.now)
+        # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);
+        # no guard digest: P verifies token ids (the real router stores these entries the same way)
+        params = {"remote_num_tokens": seq.context, "held_turn": seq.rec.turn,
+                  "held_prompt_tokens": seq.rec.prompt_tokens}
+        entry = ConversationEntry(d_node.name, params, expires_at, seq.context, seq.context, None, self.env.now)
         self.store.record_success(key[0], key[1], entry, self.env.now)
 
     def heartbeat(self, key: tuple[str, str]) -> None:

@@ -8,6 +8,9 @@ Reading guide:
 * :mod:`~sim.workload.synthetic`     -- vLLM's multi-turn benchmark (PR #32553 settings by default)
 * :mod:`~sim.workload.agentic`       -- tool loops: short gaps, context grown by tool results
 * :mod:`~sim.workload.mooncake`      -- Mooncake FAST'25 trace replay and its gap statistics
+* :mod:`~sim.workload.history`       -- where a resent history departs from what D holds (reasoning a
+                                        template drops, drift, re-serialised tool calls, edits) and the
+                                        presets built on it
 * :func:`load_workload`              -- a config table and a seed to conversations
 """
 
@@ -17,14 +20,21 @@ import functools
 from collections.abc import Mapping
 
 from sim.rng import stream
-from sim.workload import agentic, mooncake, synthetic
+from sim.workload import agentic, history, mooncake, synthetic
 from sim.workload.distributions import Distribution, Empirical, parse_distribution
 from sim.workload.model import Conversation, Turn
 from sim.workload.spec import config_from_spec
 
 __all__ = ["Conversation", "Turn", "load_workload"]
 
-WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic")
+WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic", *history.PRESETS)
+# one line per kind, for --help and the run's description
+WORKLOAD_HELP = {
+    "synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
+    "agentic": "agentic tool loops",
+    "mooncake": "Mooncake trace replay (give --trace)",
+    **{name: preset.help for name, preset in history.PRESETS.items()},
+}
 MOONCAKE_KEYS = ("kind", "path", "min_parent_blocks")
 TRACE_GAPS_KIND = "mooncake_gaps"  # a distribution of gaps resampled from a Mooncake trace
 
@@ -35,14 +45,19 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
     ``kind`` picks the generator; the other keys override fields of its config dataclass, where
     ``num_conversations`` is the count for both generators
     (``synthetic``: :class:`~sim.workload.synthetic.SyntheticMultiTurnConfig`, ``agentic``:
-    :class:`~sim.workload.agentic.AgenticConfig`) or, for ``mooncake``, give ``path`` and optionally
-    ``min_parent_blocks``. A distribution field may also be ``{kind = "mooncake_gaps", path = ...}``:
+    :class:`~sim.workload.agentic.AgenticConfig`), or of
+    :class:`~sim.workload.history.HistoryConfig` (how the resent history departs from what D holds);
+    a preset (``reasoning_chat``, ``answer_drift``, ``edited_history``, ``reasoning_agent``:
+    :data:`~sim.workload.history.PRESETS`) is a generator with its own HistoryConfig values, which
+    keys override the same way. For ``mooncake``, give ``path`` and optionally ``min_parent_blocks``.
+    A distribution field may also be ``{kind = "mooncake_gaps", path = ...}``:
     gaps resampled from a trace. Unknown keys are errors that name the key.
 
     Each subsystem gets its own stream from :func:`sim.rng.stream`, seeded by the string
     ``"<seed>:<name>"`` (``random`` hashes str seeds with SHA-512, so they do not depend on
     PYTHONHASHSEED): ``workload`` (token counts), ``gaps`` (timing), ``trace-jitter`` (arrival jitter
-    of a replayed trace), ``gap-trace-jitter`` (gaps resampled from a trace).
+    of a replayed trace), ``gap-trace-jitter`` (gaps resampled from a trace), ``history`` (the
+    history's divergences: a workload without them is the same whatever they would have drawn).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -54,12 +69,22 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
     options = {key: value for key, value in spec.items() if key != "kind"}
     parse = functools.partial(_parse_distribution_or_trace_gaps, seed=seed)
 
-    if kind == "synthetic":
-        config = config_from_spec(synthetic.SyntheticMultiTurnConfig, options, "workload", parse)
-        return synthetic.generate(config, stream(seed, "workload"), stream(seed, "gaps"))
-    if kind == "agentic":
-        agentic_config = config_from_spec(agentic.AgenticConfig, options, "workload", parse)
-        return agentic.generate(agentic_config, stream(seed, "workload"), stream(seed, "gaps"))
+    if isinstance(kind, str) and (kind in ("synthetic", "agentic") or kind in history.PRESETS):
+        preset = history.PRESETS.get(kind)
+        generator = preset.generator if preset else kind
+        divergence = {key: value for key, value in options.items() if key in history.HISTORY_FIELDS}
+        options = {key: value for key, value in options.items() if key not in history.HISTORY_FIELDS}
+        if generator == "synthetic":
+            config = config_from_spec(synthetic.SyntheticMultiTurnConfig, options, "workload", parse,
+                                      also_allowed=history.HISTORY_FIELDS)
+            conversations = synthetic.generate(config, stream(seed, "workload"), stream(seed, "gaps"))
+        else:
+            agentic_config = config_from_spec(agentic.AgenticConfig, options, "workload", parse,
+                                              also_allowed=history.HISTORY_FIELDS)
+            conversations = agentic.generate(agentic_config, stream(seed, "workload"), stream(seed, "gaps"))
+        history_config = config_from_spec(history.HistoryConfig, divergence, "workload", parse,
+                                          base=preset.history if preset else None)
+        return history.apply(conversations, history_config, stream(seed, "history"))
     if kind == "mooncake":
         for key in spec:
             if key not in MOONCAKE_KEYS:

@@ -1,13 +1,21 @@
 """What a workload is: conversations made of turns, independent of where they came from.
 
 A turn's ``prompt_tokens`` is the whole context it sends (history included), as vLLM sees it.
-``history_revision`` changes when the client rewrites history (e.g. strips reasoning): the sequence D
-holds from an earlier revision no longer prefixes the prompt, so the router's guard must refuse reuse.
+
+What a turn can reuse ends at its first divergence from what D holds: D holds the previous turn's
+prompt and output (``prompt + output - 1`` tokens: the last sampled token has no KV yet), and the new
+prompt shares a leading part of it, ``reuse_agreement_tokens``: all of it for a faithful continuation,
+less when the chat template drops the previous answer's reasoning, when the answer retokenizes
+differently near its tail, or when the client edited its history. P verifies token ids
+(impl.policy.prefix_check), so this count, not a message-level guard, decides what is pulled.
+``history_revision`` names a rewritten history (caches keyed by revision never serve across it); a
+revision change that states no agreement shares nothing with what D holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +31,10 @@ class Turn:
     # the model's output is a tool call: the client (an agent) runs the tool and sends the next turn itself,
     # so it knows it will return; after a turn that answers the user it does not (sim/clients.py)
     tool_call: bool = False
+    # leading tokens of what D holds from the previous turn (its prompt + output - 1) that this prompt
+    # shares; None: a faithful continuation (all of it, up to this prompt's length), or nothing when
+    # history_revision changed
+    reuse_agreement_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +44,49 @@ class Conversation:
     turns: tuple[Turn, ...]
     shared_prefix_tokens: int = 0  # leading tokens common to all conversations (a system prompt)
     tenant: str = "default"
+
+
+def held_tokens(turn: Turn) -> int:
+    """What D holds after ``turn`` finishes: its prompt and every output token but the last (whose KV
+    is never computed), as D's ``remote_num_tokens`` says."""
+    return turn.prompt_tokens + max(turn.output_tokens - 1, 0)
+
+
+def agreement(previous: Turn, turn: Turn) -> int:
+    """Leading tokens of what D holds after ``previous`` that ``turn``'s prompt shares."""
+    if turn.reuse_agreement_tokens is not None:
+        agree = turn.reuse_agreement_tokens
+    elif turn.history_revision == previous.history_revision:
+        agree = held_tokens(previous)
+    else:
+        agree = 0  # a rewritten history with no stated agreement: what the old all-or-nothing guard assumed
+    return max(0, min(agree, turn.prompt_tokens, held_tokens(previous)))
+
+
+class Lineage:
+    """What each prompt of a conversation shares with what its earlier turns left on P and D.
+
+    ``agreement[k]`` (k >= 1) is the longest common prefix of prompt ``k`` and what D held after turn
+    ``k - 1``. Further back the common prefix is the minimum along the chain (prompt ``i`` is a prefix
+    of what D held after turn ``i``, and a common prefix of two sequences that each share one with a
+    third is at least the shorter), a lower bound that is exact unless two divergences fall on the
+    same token: the simulator never credits reuse a token-exact check could not find.
+    """
+
+    __slots__ = ("prompt_tokens", "agreement")
+
+    def __init__(self, turns: Sequence[Turn]) -> None:
+        self.prompt_tokens = tuple(t.prompt_tokens for t in turns)
+        self.agreement = (0,) + tuple(agreement(previous, turn) for previous, turn in zip(turns, turns[1:]))
+
+    def held_agreement(self, turn: int, held_turn: int) -> int:
+        """Leading tokens of what D held after ``held_turn`` (< ``turn``) that prompt ``turn`` shares."""
+        if not 0 <= held_turn < turn < len(self.agreement):
+            raise ValueError(f"held turn {held_turn} is not before turn {turn} of {len(self.agreement)}")
+        return min(self.agreement[held_turn + 1:turn + 1])
+
+    def prompt_agreement(self, turn: int, other: int) -> int:
+        """Leading tokens of prompt ``other`` (<= ``turn``) that prompt ``turn`` shares."""
+        if other == turn:
+            return self.prompt_tokens[turn]
+        return min(self.held_agreement(turn, other), self.prompt_tokens[other])

@@ -19,8 +19,12 @@ DistributionParser = Callable[[object, str], Distribution]
 
 
 def config_from_spec(config_type: type[ConfigT], spec: Mapping[str, object], where: str,
-                     parse: DistributionParser = parse_distribution) -> ConfigT:
-    """``config_type(**overrides)`` from ``spec``; ``where`` prefixes errors (e.g. ``"workload"``)."""
+                     parse: DistributionParser = parse_distribution, base: ConfigT | None = None,
+                     also_allowed: typing.Iterable[str] = ()) -> ConfigT:
+    """``config_type(**overrides)`` from ``spec``; ``where`` prefixes errors (e.g. ``"workload"``).
+
+    ``base``: an instance whose values replace the defaults (a named preset); ``also_allowed``: keys
+    another config of the same table reads, named in the unknown-key error."""
     if not isinstance(spec, Mapping):
         raise ValueError(f"{where}: expected a table, got {spec!r}")
     hints = typing.get_type_hints(config_type)
@@ -28,10 +32,10 @@ def config_from_spec(config_type: type[ConfigT], spec: Mapping[str, object], whe
     overrides: dict[str, object] = {}
     for key, value in spec.items():
         if key not in names:
-            raise ValueError(f"{where}: unknown key {key!r} (allowed: {', '.join(sorted(names))})")
+            raise ValueError(f"{where}: unknown key {key!r} (allowed: {', '.join(sorted({*names, *also_allowed}))})")
         overrides[key] = _convert(value, hints[key], f"{where}.{key}", parse)
     try:
-        return config_type(**overrides)
+        return dataclasses.replace(base, **overrides) if base is not None else config_type(**overrides)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
