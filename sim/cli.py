@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
 from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, percentile
+from sim.workload import WORKLOAD_HELP, WORKLOAD_KINDS
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
 _TOP_LEVEL = ("seed", "profile", "num_clients", "max_sim_time_s")
@@ -100,8 +101,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 kw["metavar"] = _metavar(f.name, default)
             group.add_argument(_flag(f.name), **kw)
     w = parser.add_argument_group("workload")
-    w.add_argument("--workload", dest="workload_kind", default=None, choices=("synthetic", "agentic", "mooncake"),
-                   help=f"workload generator (default: {describe_spec(defaults.workload)})")
+    kinds = "; ".join(f"{kind}: {WORKLOAD_HELP[kind]}" for kind in WORKLOAD_KINDS).replace("%", "%%")
+    w.add_argument("--workload", dest="workload_kind", default=None, choices=WORKLOAD_KINDS,
+                   help=f"workload generator or preset ({kinds}; default: {describe_spec(defaults.workload)})")
     w.add_argument("--trace", default=None, metavar="PATH",
                    help="Mooncake JSONL trace (implies --workload mooncake; download: "
                         "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces)")
@@ -124,7 +126,7 @@ def describe_spec(spec: dict) -> str:
     rate = spec.get("arrival_rate_per_s")
     start = (f"arriving as a Poisson stream at {rate:g}/s (one every {1 / rate:g} s on average)" if rate
              else "all starting at 0 s")
-    return f"{what}, {n if n is not None else 'the generator default number of'} conversations {start}"
+    return f"{what}, {n} conversations {start}" if n is not None else f"{what}, conversations {start}"
 
 
 def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[str, Any]:
@@ -407,6 +409,9 @@ def format_comparison(results: dict, workload: dict | None = None, config: SimCo
             f"{_num(s['ttft']['p90_ms'])} ms  later turns reusing D's KV {hit}  recomputed tokens "
             f"{s['tokens_recomputed']:,}  retained {_num(s['retained_hbm_gb_s'])} GB*s (peak "
             f"{_num(s['peak_retained_hbm_gb'], ',.1f')} GB)  P utilisation {util or '-'}  preemptions {s['preemptions']}")
+        if s.get("tokens_offered"):  # P pulls only the prefix it verified equal to its prompt's token ids
+            lines.append(f"[{m}] D's tokens offered {s['tokens_offered']:,}  verified {s['tokens_verified']:,}  "
+                         f"pulled {s['tokens_pulled']:,}")
     return "\n".join(lines)
 
 
