@@ -126,7 +126,7 @@ def describe_spec(spec: dict) -> str:
     rate = spec.get("arrival_rate_per_s")
     start = (f"arriving as a Poisson stream at {rate:g}/s (one every {1 / rate:g} s on average)" if rate
              else "all starting at 0 s")
-    return f"{what}, {n} conversations {start}" if n is not None else f"{what}, conversations {start}"
+    return f"{what}, {n if n is not None else 'the generator default number of'} conversations {start}"
 
 
 def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[str, Any]:
