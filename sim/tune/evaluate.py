@@ -22,6 +22,8 @@ def evaluate(config: SimConfig, policy_overrides: dict[str, Any]) -> dict[str, A
         "ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"], "ttft_p99_ms": s["ttft"]["p99_ms"],
         "ttft_mean_ms": s["ttft"]["mean_ms"],
         "tokens_recomputed": s["tokens_recomputed"], "tokens_reused": s["tokens_reused"],
+        # D's tokens the router offered, P verified equal to its prompt's ids, and P pulled
+        "tokens_offered": s["tokens_offered"], "tokens_verified": s["tokens_verified"], "tokens_pulled": s["tokens_pulled"],
         "retained_hbm_gb_s": s["retained_hbm_gb_s"], "peak_retained_hbm_gb": s["peak_retained_hbm_gb"],
         "preemptions": s["preemptions"], "rejected": s["rejected"], "dropped_under_pressure": s["dropped_under_pressure"],
         "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"], "heartbeats": s["heartbeats"],

@@ -160,6 +160,8 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
         f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}; run its scripts with --mode "
         f"{s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
+        *([f"  reuse:   D's tokens offered {m['tokens_offered']:,}, verified {m['tokens_verified']:,} (equal to the "
+           f"prompt's token ids), pulled {m['tokens_pulled']:,}"] if (m := chosen.metrics).get("tokens_offered") else []),
     ])
 
 
