@@ -49,10 +49,12 @@ def register(subparsers: Any) -> None:
         "profile", help="a latency profile for an unmeasured model from its config.json",
         description="Build a latency profile from an HF-style config.json, the hardware and the efficiencies "
                     "fitted on the measured models; prints JSON with the physical floors.")
-    prof.add_argument("--model-config", required=True, metavar="CONFIG_JSON")
+    prof.add_argument("--model-config", required=True, metavar="CONFIG_JSON",
+                      help="the model's Hugging Face config.json (layers, heads, KV heads, head size)")
     prof.add_argument("--hardware", default="p5en", help="shipped hardware name or a JSON path (default p5en)")
     prof.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks per instance")
-    prof.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
+    prof.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+                      help="KV cache element type (auto: the model's dtype) (default: %(default)s)")
     prof.add_argument("--block-size", type=int, help="KV block tokens (default: 16 GQA, 64 MLA)")
     prof.add_argument("--efficiencies", help="efficiencies JSON (default: fitted on the measured models)")
     prof.add_argument("--name", help="model name in the profile (default: the config file's stem)")

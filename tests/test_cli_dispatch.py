@@ -35,3 +35,45 @@ def test_bad_flags_are_named_errors_not_tracebacks(argv, says):
     run = subprocess.run([sys.executable, "-m", "impl.cli", *argv], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run.stderr
     assert says in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def _subcommand_parsers():
+    return [(path, sub) for path, sub in _leaves(build_parser(), ["bidikv"])]
+
+
+def test_every_flag_has_help_and_a_metavar_a_person_can_read():
+    for path, sub in _subcommand_parsers():
+        for action in sub._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            name = f"{' '.join(path)} {action.option_strings[-1]}"
+            assert action.help and action.help.strip(), f"{name} has no help"
+            metavar = action.metavar or ""
+            shown = metavar if isinstance(metavar, str) else " ".join(metavar)
+            assert "__" not in shown and "__" not in (action.dest.upper() if action.metavar is None and action.nargs != 0
+                                                      and not action.choices else ""), f"{name}: metavar {shown or action.dest}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", "0"],
+    ["bench", "--url", "http://127.0.0.1:9", "--mode", "on", "--conversations", "1"],
+])
+def test_a_missing_extra_names_the_install_command(argv):
+    # the light install (tools/demo.sh) has no aiohttp; blocking its import is that install, as far as
+    # the command can tell
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from impl.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == f"bidikv {argv[0]}: error: this needs aiohttp, which is not installed: " \
+                                 "pip install 'bidikv[impl]'"
+
+
+def test_version_and_one_line_usage_errors():
+    version = subprocess.run([sys.executable, "-m", "impl.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("bidikv ")
+    bad = subprocess.run([sys.executable, "-m", "impl.cli", "tune", "--workers", "many"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "bidikv tune: error: argument --workers: invalid integer value: 'many' (see bidikv tune --help)"

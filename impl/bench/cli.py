@@ -23,7 +23,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mode", required=True, choices=("on", "off"), help="what the deployment runs (bidirectional ON/OFF)")
     p.add_argument("--out", default=None, help="per-turn JSONL output file")
     p.add_argument("--config", default=None, help="TOML file whose [workload] table and seed are used")
-    p.add_argument("--workload", dest="workload_kind", default=None, choices=("synthetic", "agentic", "mooncake"))
+    p.add_argument("--workload", dest="workload_kind", default=None, choices=("synthetic", "agentic", "mooncake"),
+                   help="workload generator (default: the config's, else bidikv simulate's default)")
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (implies --workload mooncake)")
     p.add_argument("--conversations", type=int, default=None, help="number of conversations (synthetic/agentic)")
     p.add_argument("--seed", type=int, default=None, help="workload seed (default: the config's, else 0)")

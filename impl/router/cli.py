@@ -46,10 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = str
         parser.add_argument(flag, **kwargs)
     compat = parser.add_argument_group("vLLM proxy compatibility")
-    compat.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=None, metavar="HOST")
-    compat.add_argument("--prefiller-ports", "--prefiller-port", nargs="+", type=int, default=None, metavar="PORT")
-    compat.add_argument("--decoder-hosts", "--decoder-host", nargs="+", default=None, metavar="HOST")
-    compat.add_argument("--decoder-ports", "--decoder-port", nargs="+", type=int, default=None, metavar="PORT")
+    compat.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=None, metavar="HOST",
+                        help="prefill hosts, paired in order with --prefiller-ports (vLLM's proxy flags)")
+    compat.add_argument("--prefiller-ports", "--prefiller-port", nargs="+", type=int, default=None, metavar="PORT",
+                        help="prefill HTTP ports, one per --prefiller-hosts entry")
+    compat.add_argument("--decoder-hosts", "--decoder-host", nargs="+", default=None, metavar="HOST",
+                        help="decode hosts, paired in order with --decoder-ports (vLLM's proxy flags)")
+    compat.add_argument("--decoder-ports", "--decoder-port", nargs="+", type=int, default=None, metavar="PORT",
+                        help="decode HTTP ports, one per --decoder-hosts entry")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
