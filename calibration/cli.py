@@ -17,6 +17,7 @@ code. ``main(argv)`` runs them standalone (``python -m calibration.cli calibrate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import json
 import sys
@@ -43,7 +44,11 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--base-profile", default="qwen3-32b@p5en-tp8",
                      help="with --from-bench: the profile whose unmeasurable terms are kept (default: %(default)s)")
     cal.add_argument("--output", "-o", metavar="PROFILE_JSON", help="with --from-bench: write the fitted profile here")
+    add_bench_fit_flags(cal)
     cal.set_defaults(run=run_calibrate)
+    from calibration.validate_cli import register as register_validate
+
+    register_validate(subparsers)
 
     prof = subparsers.add_parser(
         "profile", help="a latency profile for an unmeasured model from its config.json",
@@ -64,6 +69,34 @@ def register(subparsers: Any) -> None:
 
 # --- calibrate -----------------------------------------------------------------------------------
 
+def add_bench_fit_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of a fit from bench records (calibrate --from-bench, validate); defaults from their modules."""
+    from calibration.bench_settings import DeploymentSettings
+    from calibration.busy import DEFAULT_BUSY_WINDOW_S
+    from calibration.from_bench import DEFAULT_MAX_TRANSFER_BYTES_PER_S
+
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(DeploymentSettings)}
+    parser.add_argument("--deployment", metavar="JSON",
+                        help="the deployment's settings (default: <bench>.deployment.json beside the JSONL, if any)")
+    parser.add_argument("--block-size", type=int, default=None, help=helps["block_size"])
+    parser.add_argument("--kv-bytes-per-token", type=float, default=None, help=helps["kv_bytes_per_token"])
+    parser.add_argument("--max-transfer-bytes-per-s", type=float, default=DEFAULT_MAX_TRANSFER_BYTES_PER_S,
+                        help="bound on the fitted wire rate when the pulled turns cannot resolve a per-token cost "
+                             "(default: %(default)g, above any NIC or memory copy a bench resolves)")
+    parser.add_argument("--busy-window-s", type=float, default=DEFAULT_BUSY_WINDOW_S,
+                        help="a turn starting this soon after another one decoded counts as busy (P and D share "
+                             "cores on the CPU rehearsal); 0 fits no busy term (default: %(default)s)")
+
+
+def bench_settings(args: argparse.Namespace, bench_path: str) -> Any:
+    from calibration.bench_settings import DeploymentSettings, settings_for
+
+    overrides = {"block_size": args.block_size, "kv_bytes_per_token": args.kv_bytes_per_token}
+    if args.deployment:
+        return DeploymentSettings.load(args.deployment).replace(**overrides)
+    return settings_for(bench_path, **overrides)
+
+
 def _profiles(refit: bool) -> dict[str, Any]:
     from calibration.profile import LatencyProfile
     from calibration.published import MEASURED
@@ -80,21 +113,42 @@ def run_from_bench(args: argparse.Namespace) -> int:
     from calibration.profile import LatencyProfile
     from impl.bench.records import read_jsonl
 
-    profile, report = fit_from_bench(read_jsonl(args.from_bench), LatencyProfile.load(args.base_profile))
+    settings = bench_settings(args, args.from_bench)
+    profile, report = fit_from_bench(read_jsonl(args.from_bench), LatencyProfile.load(args.base_profile),
+                                     settings=settings, max_transfer_bytes_per_s=args.max_transfer_bytes_per_s,
+                                     busy_window_s=args.busy_window_s)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
-        print(f"fitted from {report['turns']} turns ({report['turns_with_pull']} with a pull) of {args.from_bench}")
-        for term, value in report["terms"].items():
-            print(f"  {term:22} " + ("not identifiable from these turns" if value is None else f"{value:.6g} s"))
-        print(f"  TTFT fit: median |error| {report['rel_error_p50']:.1%}, max {report['rel_error_max']:.1%}")
-        print(f"  kept from {args.base_profile}: {', '.join(report['kept_from_base'])}")
-        if "note" in report:
-            print(f"  note: {report['note']}")
+        print(fit_summary(report, args.from_bench, args.base_profile, profile))
     if args.output:
         pathlib.Path(args.output).write_text(profile.to_json())
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def fit_summary(report: dict[str, Any], source: str, base_name: str, profile: Any) -> str:
+    """The human-readable account of a bench fit, one line each."""
+    lines = [f"fitted from {report['turns']} turns ({report['turns_with_pull']} with a pull, "
+             f"{report['turns_busy']} busy) of {source}"]
+    for term, value in report["terms"].items():
+        lines.append(f"  {term:24} " + ("not identifiable from these turns" if value is None else f"{value:.6g} s"))
+    lines.append(f"  {'busy factor':24} {report['busy_factor']:.3f} (a busy turn's compute x {1 + report['busy_factor']:.2f}; "
+                 f"window {report['busy_window_s']:g} s)")
+    lines.append(f"  TTFT fit: median |error| {report['rel_error_p50']:.1%}, max {report['rel_error_max']:.1%}")
+    decode = report.get("decode")
+    if decode:
+        for term, value in decode["terms"].items():
+            lines.append(f"  {term:24} " + ("not identifiable from these turns" if value is None else f"{value:.6g} s"))
+        lines.append(f"  TPOT fit ({decode['turns']} turns, batch {decode['batch_range'][0]:.2f}-{decode['batch_range'][1]:.2f}): "
+                     f"median |error| {decode['rel_error_p50']:.1%}, max {decode['rel_error_max']:.1%}")
+    lines.append(f"  block_size {profile.block_size}, kv_bytes_per_token {profile.kv_bytes_per_token:g}, "
+                 f"transfer_bytes_per_s {profile.transfer_bytes_per_s:.4g}"
+                 + (" (bounded)" if report.get("transfer_bytes_per_s_bounded") else ""))
+    lines.append(f"  kept from {base_name}: {', '.join(report['kept_from_base'])}")
+    if "note" in report:
+        lines.append(f"  note: {report['note']}")
+    return "\n".join(lines)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

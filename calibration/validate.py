@@ -1,0 +1,229 @@
+"""``bidikv validate``: replay a recorded bench run through the simulator and compare turn by turn.
+
+Given the JSONL of a ``bidikv bench`` run against a deployment (and the deployment's settings,
+:mod:`calibration.bench_settings`) and a profile (fitted with :mod:`calibration.from_bench` on the same
+or, for a held-out check, on *other* runs), the same conversations are replayed through the
+simulator's :class:`sim.cluster.Cluster`: the same prompt and output lengths, each turn released at
+its recorded start (``Turn.arrival_s``; a turn the simulator has not finished by then waits for it, as
+the real client did), one P and one D, the deployment's threshold, TTL and expiry margin, the fitted
+host contention (:mod:`sim.contention`). Then per turn:
+
+* the reuse decision: ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (P would
+  pull but D no longer had the blocks, or they were within the margin of expiry), ``expired`` (the
+  router had nothing unexpired to offer), ``none`` (first turn, or bidirectional OFF) -- expected to
+  agree exactly;
+* pulled tokens (P's ``prefill_cached_tokens``; P runs without prefix caching) -- exact;
+* TTFT and TPOT relative error, summarised as median and p90 of |error| by prompt bucket and turn index.
+
+The real decision is read from what the router and P reported: tokens offered
+(``reuse_offered_tokens``) and tokens P did not compute (``prefill_cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from calibration.bench_settings import DeploymentSettings
+from calibration.profile import LatencyProfile
+from impl.bench.records import BenchRecord
+from sim.contention import HostContention, attach
+from sim.records import TurnRecord, percentile
+from sim.workload.model import Conversation, Turn
+
+# What the simulator's decision reasons mean for "P would have pulled" (impl.policy.DecisionReason values)
+_PULL_REASONS = {"at_or_above_threshold", "threshold_disabled", "pull_cheaper"}
+
+
+@dataclass(frozen=True, slots=True)
+class TurnComparison:
+    conversation: str
+    turn: int
+    prompt_tokens: int
+    real_decision: str
+    sim_decision: str
+    real_pulled: int
+    sim_pulled: int
+    real_ttft_s: float
+    sim_ttft_s: float
+    real_tpot_s: float  # NaN with fewer than two output tokens
+    sim_tpot_s: float
+
+    @property
+    def decision_agrees(self) -> bool:
+        return self.real_decision == self.sim_decision and self.real_pulled == self.sim_pulled
+
+    def ttft_error(self) -> float:
+        return (self.sim_ttft_s - self.real_ttft_s) / self.real_ttft_s
+
+    def tpot_error(self) -> float:
+        return (self.sim_tpot_s - self.real_tpot_s) / self.real_tpot_s if self.real_tpot_s > 0 else math.nan
+
+
+def conversations_from_bench(records: Sequence[BenchRecord]) -> list[Conversation]:
+    """The bench run's conversations, each turn at its recorded start; a conversation stops at its first
+    failed turn, as the bench client did (it had no answer to continue from)."""
+    by_conv: dict[str, list[BenchRecord]] = {}
+    for r in records:
+        by_conv.setdefault(r.conversation, []).append(r)
+    out = []
+    for cid, rs in by_conv.items():
+        rs.sort(key=lambda r: r.turn)
+        turns = []
+        for r in rs:
+            if not r.ok:
+                break
+            # the bench appends the server's own ids to the history: a faithful continuation (agreement None)
+            turns.append(Turn(prompt_tokens=r.prompt_tokens, output_tokens=max(r.output_tokens, 1), arrival_s=r.start_s))
+        if turns:
+            out.append(Conversation(cid, start_s=rs[0].start_s, turns=tuple(turns)))
+    out.sort(key=lambda c: c.start_s)
+    return out
+
+
+def sim_config(settings: DeploymentSettings, profile: LatencyProfile, bidirectional: bool) -> Any:
+    from sim.config import SimConfig
+
+    config = SimConfig(profile=profile.name, seed=0)
+    config.policy.bidirectional = bidirectional
+    config.policy.prefix_caching = settings.prefix_caching_on_p
+    config.policy.kv_recompute_threshold = settings.kv_recompute_threshold
+    config.policy.decoder_kv_blocks_ttl = settings.decoder_kv_blocks_ttl
+    config.policy.expiry_margin_s = settings.expiry_margin_s
+    config.topology.decode_kv_blocks = settings.decode_kv_blocks
+    config.topology.max_num_seqs = settings.max_num_seqs
+    # the wire is the profile's fitted rate (a loopback here): the NIC must not be the tighter bound
+    config.topology.nic_line_rate_bytes_per_s = max(profile.transfer_bytes_per_s, 1e6)
+    config.topology.nic_efficiency = 1.0
+    return config.validate()
+
+
+def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: DeploymentSettings,
+           contention: HostContention = HostContention()) -> list[TurnRecord]:
+    """The simulator's records of the same conversations at the same times."""
+    from sim.cluster import Cluster
+
+    modes = {r.mode for r in records}
+    if len(modes) != 1:
+        raise ValueError(f"a replay is one deployment: the records mix modes {sorted(modes)}")
+    cluster = Cluster(sim_config(settings, profile, modes == {"on"}), profile)
+    attach(cluster, contention)
+    return cluster.run(conversations_from_bench(records)).records
+
+
+def real_decision(r: BenchRecord, settings: DeploymentSettings) -> str:
+    if r.mode == "off" or r.turn == 0:
+        return "none"
+    if r.reuse_offered_tokens == 0:
+        return "expired"
+    if r.prefill_cached_tokens:
+        return "pulled"
+    return "recomputed" if r.reuse_offered_tokens < settings.kv_recompute_threshold else "declined"
+
+
+def sim_decision(rec: TurnRecord) -> str:
+    if rec.decision == "pull":
+        return "pulled"
+    if rec.decision == "recompute":
+        return "declined" if rec.decision_reason in _PULL_REASONS else "recomputed"
+    if rec.turn == 0 or rec.miss_reason in ("", "bidirectional_off"):
+        return "none"
+    return "expired" if rec.miss_reason == "expired" else f"missed ({rec.miss_reason})"
+
+
+def _tpot(total: float, ttft: float, outputs: int) -> float:
+    return (total - ttft) / (outputs - 1) if outputs >= 2 else math.nan
+
+
+def compare(records: Sequence[BenchRecord], simulated: Sequence[TurnRecord],
+            settings: DeploymentSettings) -> list[TurnComparison]:
+    sims = {(s.conversation, s.turn): s for s in simulated}
+    out = []
+    for r in records:
+        s = sims.get((r.conversation, r.turn))
+        if not r.ok or s is None or s.rejected:
+            continue
+        sim_pulled = s.pulled_tokens if s.decision == "pull" else 0
+        out.append(TurnComparison(
+            r.conversation, r.turn, r.prompt_tokens, real_decision(r, settings), sim_decision(s),
+            (r.prefill_cached_tokens or 0), sim_pulled, r.ttft_s, s.ttft_s,
+            _tpot(r.total_s, r.ttft_s, r.output_tokens),
+            _tpot(s.completion_s - s.arrival_s, s.ttft_s, s.output_tokens)))
+    return out
+
+
+def _summary(errors: Sequence[float]) -> dict[str, Any]:
+    v = sorted(abs(e) for e in errors if not math.isnan(e))
+    signed = [e for e in errors if not math.isnan(e)]
+    return {"n": len(v), "median_abs_pct": 100 * percentile(v, 50), "p90_abs_pct": 100 * percentile(v, 90),
+            "median_signed_pct": 100 * statistics.median(signed) if signed else math.nan}
+
+
+def bucket(prompt_tokens: int, width: int) -> str:
+    lo = prompt_tokens // width * width
+    return f"{lo}-{lo + width}"
+
+
+def summarize(comparisons: Sequence[TurnComparison], bucket_tokens: int = 512) -> dict[str, Any]:
+    """Decision agreement and error summaries, overall, by prompt bucket and by turn index."""
+    def errors(cs: Sequence[TurnComparison]) -> dict[str, Any]:
+        return {"ttft": _summary([c.ttft_error() for c in cs]), "tpot": _summary([c.tpot_error() for c in cs])}
+
+    by_bucket: dict[str, list[TurnComparison]] = {}
+    by_turn: dict[int, list[TurnComparison]] = {}
+    for c in comparisons:
+        by_bucket.setdefault(bucket(c.prompt_tokens, bucket_tokens), []).append(c)
+        by_turn.setdefault(c.turn, []).append(c)
+    decisions: dict[str, dict[str, int]] = {}
+    for c in comparisons:
+        row = decisions.setdefault(c.real_decision, {})
+        row[c.sim_decision] = row.get(c.sim_decision, 0) + 1
+    return {
+        "turns": len(comparisons),
+        "decisions_agree": sum(c.real_decision == c.sim_decision for c in comparisons),
+        "pulled_tokens_agree": sum(c.real_pulled == c.sim_pulled for c in comparisons),
+        "decision_matrix": decisions,  # real -> simulated -> turns
+        "pulled_tokens": {"real": sum(c.real_pulled for c in comparisons), "sim": sum(c.sim_pulled for c in comparisons)},
+        "overall": errors(comparisons),
+        "by_prompt_bucket": {k: errors(v) for k, v in sorted(by_bucket.items(), key=lambda kv: int(kv[0].split("-")[0]))},
+        "by_turn": {str(k): errors(v) for k, v in sorted(by_turn.items())},
+        "mean_ttft_ms": {"real": 1e3 * statistics.fmean(c.real_ttft_s for c in comparisons) if comparisons else math.nan,
+                         "sim": 1e3 * statistics.fmean(c.sim_ttft_s for c in comparisons) if comparisons else math.nan},
+    }
+
+
+def contention_of(profile: LatencyProfile) -> HostContention:
+    """The host contention a bench fit recorded in the profile's provenance (none for other profiles)."""
+    hc = profile.provenance.get("host_contention") or {}
+    return HostContention(float(hc.get("window_s", 0.0)), float(hc.get("factor", 0.0)))
+
+
+def validate_run(records: Sequence[BenchRecord], profile: LatencyProfile, settings: DeploymentSettings,
+                 bucket_tokens: int = 512) -> tuple[dict[str, Any], list[TurnComparison]]:
+    settings = dataclasses.replace(settings, bidirectional=all(r.mode == "on" for r in records))
+    comparisons = compare(records, replay(records, profile, settings, contention_of(profile)), settings)
+    return summarize(comparisons, bucket_tokens), comparisons
+
+
+def format_summary(name: str, s: dict[str, Any]) -> str:
+    """A table: decisions, then TTFT/TPOT |error| overall, by prompt bucket and by turn index."""
+    lines = [f"{name}: {s['turns']} turns; decisions agree {s['decisions_agree']}/{s['turns']}, pulled tokens agree "
+             f"{s['pulled_tokens_agree']}/{s['turns']} (real {s['pulled_tokens']['real']}, sim {s['pulled_tokens']['sim']})"]
+    for real, row in s["decision_matrix"].items():
+        lines.append(f"  real {real:11} -> sim " + ", ".join(f"{k} {v}" for k, v in sorted(row.items())))
+    lines.append(f"  {'':14}{'n':>4}  {'TTFT |err| p50':>15}{'p90':>8}{'signed p50':>11}  {'TPOT |err| p50':>15}{'p90':>8}{'signed p50':>11}")
+
+    def row(label: str, e: dict[str, Any]) -> str:
+        t, d = e["ttft"], e["tpot"]
+        return (f"  {label:14}{t['n']:>4}  {t['median_abs_pct']:>14.1f}%{t['p90_abs_pct']:>7.1f}%{t['median_signed_pct']:>+10.1f}%"
+                f"  {d['median_abs_pct']:>14.1f}%{d['p90_abs_pct']:>7.1f}%{d['median_signed_pct']:>+10.1f}%")
+
+    lines.append(row("all", s["overall"]))
+    for k, e in s["by_prompt_bucket"].items():
+        lines.append(row(f"prompt {k}", e))
+    for k, e in s["by_turn"].items():
+        lines.append(row(f"turn {k}", e))
+    return "\n".join(lines)
