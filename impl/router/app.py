@@ -139,8 +139,9 @@ class Router:
         return known if known is not None else min(limits.values())  # an unknown name: vLLM will refuse it anyway
 
     async def _learn_model_limits(self) -> None:
-        """Each model's max_model_len from an instance's /v1/models, retried until one answers."""
-        while not self.model_limits:
+        """Each model's max_model_len from an instance's /v1/models, retried until one answers (an
+        answer without the field -- not vLLM -- ends it too: vLLM's own check is all there is then)."""
+        while True:
             for upstream in [u for pool in (self.decode, self.prefill) for u in pool if u.healthy]:
                 try:
                     async with self.session.get(upstream.base_url + "/v1/models", headers=self.upstream_headers,
@@ -149,13 +150,17 @@ class Router:
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     continue
                 models = listing.get("data") if isinstance(listing, dict) else None
-                for model in models if isinstance(models, list) else ():
+                if not isinstance(models, list):
+                    continue
+                for model in models:
                     if isinstance(model, dict) and isinstance(model.get("id"), str) \
                             and type(model.get("max_model_len")) is int and model["max_model_len"] > 0:
                         self.model_limits[model["id"]] = model["max_model_len"]
                 if self.model_limits:
                     log.info("context limits from %s: %s", upstream.name, self.model_limits)
-                    return
+                else:
+                    log.info("%s reports no max_model_len: context limits are left to the instances", upstream.name)
+                return
             await asyncio.sleep(self.config.health_interval_s)
 
     async def stop(self) -> None:
