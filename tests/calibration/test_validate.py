@@ -1,0 +1,90 @@
+"""`bidikv validate`: the simulator replays a bench run's turns and its decisions are compared per turn.
+
+The hand-made runs state what the real deployment did (what the router offered, what P pulled) from
+vLLM's rules worked out by hand; the recorded runs in data/validate/ are what the CPU deployment
+really did (tests/e2e/record_validate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from calibration.bench_settings import DeploymentSettings
+from calibration.profile import LatencyProfile
+from calibration.validate import TurnComparison, conversations_from_bench, summarize, validate_run
+from impl.bench.records import BenchRecord
+
+BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")
+# A profile whose turns take what the hand-made records say: 0.5 s to the first token for any prompt
+# (fixed cost only; a pull costs its 0 s setup), then 96 tokens at 25 ms.
+RIG = dataclasses.replace(BASE, name="hand", block_size=32, kv_bytes_per_token=32_768.0, prefill_fixed_s=0.5,
+                          prefill_per_token_s=0.0, prefill_attn_s=0.0, prefill_index_s=0.0, transfer_setup_s=0.0,
+                          transfer_per_block_s=0.0, transfer_bytes_per_s=1e12, reuse_overhead_per_token_s=0.0,
+                          ttft_overhead_fixed_s=0.0, ttft_overhead_per_prompt_token_s=0.0,
+                          ttft_overhead_per_reused_byte_s=0.0, decode_fixed_s=0.025, decode_per_seq_s=0.0,
+                          decode_per_ctx_token_s=0.0, handoff_pays_transfer_setup=False)
+SETTINGS = DeploymentSettings(kv_recompute_threshold=64, decoder_kv_blocks_ttl=10.0, block_size=32,
+                              kv_bytes_per_token=32_768.0, decode_kv_blocks=512, max_num_seqs=8)
+TURN_S = 0.5 + 96 * 0.025  # 2.9 s from start to the last token
+
+
+def _conversation(cid: str, starts: list[float], offered: list[int], pulled: list[int], mode: str = "on") -> list[BenchRecord]:
+    """Turns of 600 + 146 k tokens (each appends the 96 generated and 50 new ones); D holds prompt + 95."""
+    return [BenchRecord(cid, k, mode, 600 + 146 * k, 96, start, 0.5, TURN_S, offered[k], pulled[k])
+            for k, start in enumerate(starts)]
+
+
+def test_pulled_and_expired_turns_agree_with_the_deployments_rules():
+    # TTL 10 s, 5 s margin: a turn arriving 1 s after the previous one finished is offered D's
+    # 600 + 95 = 695 tokens and pulls them (>= 64); one arriving 8 s after is past expiry - margin
+    # (the router offers nothing); the next, 1 s after turn 2 (which recomputed everything), pulls what
+    # turn 2 left on D: 892 + 95 = 987 tokens.
+    t1 = TURN_S + 1.0
+    t2 = t1 + TURN_S + 8.0
+    t3 = t2 + TURN_S + 1.0
+    run = _conversation("a", [0.0, t1, t2, t3], [0, 695, 0, 987], [0, 695, 0, 987])
+    summary, turns = validate_run(run, RIG, SETTINGS)
+    assert [(c.real_decision, c.sim_decision) for c in turns] == [
+        ("none", "none"), ("pulled", "pulled"), ("expired", "expired"), ("pulled", "pulled")]
+    assert [c.sim_pulled for c in turns] == [0, 695, 0, 987]
+    assert summary["decisions_agree"] == summary["pulled_tokens_agree"] == 4
+    assert summary["overall"]["ttft"]["median_abs_pct"] < 1.0  # the profile was built to take these times
+
+
+def test_below_the_threshold_is_recomputed():
+    run = _conversation("b", [0.0, TURN_S + 1.0], [0, 695], [0, 0])
+    summary, turns = validate_run(run, RIG, dataclasses.replace(SETTINGS, kv_recompute_threshold=1000))
+    assert [(c.real_decision, c.sim_decision) for c in turns] == [("none", "none"), ("recomputed", "recomputed")]
+
+
+def test_off_never_pulls():
+    run = _conversation("c", [0.0, TURN_S + 1.0], [0, 0], [0, 0], mode="off")
+    summary, turns = validate_run(run, RIG, SETTINGS)
+    assert [(c.real_decision, c.sim_decision) for c in turns] == [("none", "none"), ("none", "none")]
+
+
+def test_a_disagreement_is_reported_not_hidden():
+    # the real deployment pulled, but the turn came 8 s later: the simulator expires it
+    run = _conversation("d", [0.0, TURN_S + 8.0], [0, 695], [0, 695])
+    summary, _ = validate_run(run, RIG, SETTINGS)
+    assert summary["decisions_agree"] == 1 and summary["decision_matrix"]["pulled"] == {"expired": 1}
+
+
+def test_replayed_conversations_keep_the_recorded_starts_and_stop_at_a_failure():
+    run = _conversation("e", [0.0, 4.0, 9.0], [0, 695, 0], [0, 695, 0])
+    run[2] = dataclasses.replace(run[2], error="HTTP 500", ttft_s=float("nan"))
+    (conv,) = conversations_from_bench(run)
+    assert [t.arrival_s for t in conv.turns] == [0.0, 4.0]
+    assert [t.prompt_tokens for t in conv.turns] == [600, 746]
+
+
+def test_summary_percentiles_by_hand():
+    def c(turn, prompt, real, sim):
+        return TurnComparison("x", turn, prompt, "none", "none", 0, 0, real, sim, 0.02, 0.02)
+
+    s = summarize([c(0, 100, 1.0, 1.1), c(0, 600, 1.0, 0.8), c(1, 700, 2.0, 2.0)], bucket_tokens=512)
+    assert s["overall"]["ttft"]["median_abs_pct"] == pytest.approx(10.0)
+    assert s["by_prompt_bucket"]["512-1024"]["ttft"]["median_abs_pct"] == pytest.approx(10.0)  # 20 % and 0 %
+    assert s["by_turn"]["1"]["ttft"]["n"] == 1
