@@ -72,6 +72,11 @@ class FakeVllmUpstream:
     healthy: bool = True
     max_model_len: int | None = None  # reported by /v1/models, as vLLM does
     drop_reused: int = 0  # close this many requests that arrive on an already used connection, unanswered
+    # token-exact reuse (impl.policy.prefix_check): D publishes a check with its params, P answers an
+    # offer with a report verifying ``verified_share`` of it; ``reasoning``: D's answer carries reasoning_content
+    publish_check: bool = False
+    verified_share: float = 0.5
+    reasoning: bool = False
     _peers: set = field(default_factory=set)
     received: list[Received] = field(default_factory=list)
     notify_replies: list[int] = field(default_factory=list)
@@ -164,6 +169,10 @@ class FakeVllmUpstream:
         }
         # vLLM with --enable-prompt-tokens-details reports the prompt tokens it did not compute
         offered = (body.get("kv_transfer_params") or {}).get("remote_num_tokens") or 0
+        if "bidikv_prefix_check" in (body.get("kv_transfer_params") or {}):
+            verified = int(offered * self.verified_share)
+            params["bidikv_reuse"] = {"path": "d_to_p", "offered": offered, "verified": verified, "pulled": verified,
+                                      "reason": "full" if verified == offered else "partial"}
         usage = {"prompt_tokens": 100, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": offered}}
         return web.json_response({"id": "cmpl-p", "object": "chat.completion" if chat else "text_completion",
                                   "model": "fake-model", "choices": [choice], "kv_transfer_params": params,
@@ -177,6 +186,8 @@ class FakeVllmUpstream:
             "remote_engine_id": f"D-{self.name}", "remote_request_id": rid, "remote_host": "localhost",
             "remote_port": 5700, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 64 + self.chunks,
             "remote_blocks_expiry_time": time.perf_counter() + D_TTL_S, "transfer_mode": "pull",
+            **({"bidikv_prefix_check": {"v": 1, "scheme": "0" * 16, "bs": 16, "n": 64 + self.chunks, "cp": []}}
+               if self.publish_check else {}),
         }
 
     def _decode_json(self, body: dict[str, Any]) -> web.Response:
@@ -233,6 +244,8 @@ class FakeVllmUpstream:
                 extra["token_ids"] = [1000 + i]
             chunk = self._chunk(chat, f"<{tag}:{i}>", i, "stop" if last else None)
             chunk["choices"][0].update(extra)
+            if chat and self.reasoning and i == 0:
+                chunk["choices"][0]["delta"]["reasoning_content"] = "let me think"
             if last and self.style == "conflict":
                 await self._notify(body, params)  # the notification is there before the final chunk
             if last and self.style in ("final_chunk", "both", "conflict"):

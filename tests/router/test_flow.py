@@ -265,3 +265,28 @@ async def test_a_streamed_turn_is_stored_before_its_client_sees_the_end(monkeypa
         second = await dep.chat([user("q1"), assistant(first.answer), user("q2")], conversation_id="c")
         assert second.status == 200
         assert dep.p.prefill_requests()[1]["kv_transfer_params"]["remote_engine_id"] == "D-d0"
+
+
+async def test_with_p_verifying_token_ids_reasoning_and_rewritten_turns_are_offered():
+    """D publishes a prefix check (our connector): P verifies token ids itself, so the router stores
+    turns it cannot reconstruct (reasoning) and offers re-rendered histories; P's report comes back
+    as headers and metrics and never reaches D or the client."""
+    dep = Deployment()
+    dep.d.publish_check = dep.d.reasoning = True
+    async with dep:
+        r1 = await dep.chat([user("q1")], conversation_id="c")
+        assert r1.status == 200 and r1.done
+        await dep.settle()
+        assert dep.router.metrics.turns_not_stored.get("unreconstructable") == 0
+        # the client resends the answer without its reasoning and shortened: still offered, P verifies
+        r2 = await dep.chat([user("q1"), assistant(r1.answer[:-3]), user("q2")], conversation_id="c")
+        assert r2.status == 200 and r2.done
+        offered = dep.p.prefill_requests()[1]["kv_transfer_params"]
+        assert offered["remote_engine_id"] == "D-d0" and "bidikv_prefix_check" in offered
+        assert dep.router.metrics.reuse_misses.get("guard") == 0
+        assert r2.headers["X-Bidikv-Reuse-Verify"] == "partial"
+        assert r2.headers["X-Bidikv-Reuse-Verified-Tokens"] == str(offered["remote_num_tokens"] // 2)
+        assert dep.router.metrics.p_verified_tokens.get("verified") == offered["remote_num_tokens"] // 2
+        assert dep.router.metrics.p_verify_results.get("partial") == 1
+        assert "bidikv_reuse" not in dep.d.decode_requests()[1]["kv_transfer_params"]  # P's report is the router's
+        assert b"bidikv_prefix_check" not in r2.raw and b"bidikv_reuse" not in r2.raw
