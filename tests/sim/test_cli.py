@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from impl.cli import main
+from sim.config import load_config
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -163,3 +164,15 @@ def test_out_that_is_a_file_fails_before_simulating(tmp_path):
     result = run_cli("simulate", "--out", str(tmp_path / "f"))
     assert result.returncode == 2 and result.stderr.strip() == \
         f"bidikv simulate: error: --out {tmp_path / 'f'}: exists and is not a directory"
+
+
+def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts(monkeypatch):
+    import sim.cli
+
+    # the machine's free memory is the one input this cannot choose: pretend it is 100 kB
+    monkeypatch.setattr(sim.cli, "available_memory_bytes", lambda: 100_000)
+    config = load_config(overrides={"workload": {"kind": "synthetic", "num_conversations": 50}})
+    with pytest.raises(ValueError, match=r"turns need about .* GB for their records, more than the 0.0 GB available"):
+        sim.cli.load_conversations(config)
+    monkeypatch.setattr(sim.cli, "available_memory_bytes", lambda: None)  # unknown: no refusal
+    assert len(sim.cli.load_conversations(config)) == 50
