@@ -82,6 +82,7 @@ class RouterConfig:
     store_password_env: str = "BIDIKV_STORE_PASSWORD"  # Redis password, when not in the URL
     store_timeout_s: float = 0.5  # one Redis call; beyond it the turn is served without reuse
     store_retry_s: float = 1.0  # after a failed Redis call, turns skip it this long (no timeout each)
+    store_max_connections: int = 64  # to Redis; more concurrent calls queue (redis-py's own pool fails at 100)
     store_prefix: str = "bidikv:"  # Redis key prefix: routers sharing one store use the same one
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
@@ -115,6 +116,8 @@ class RouterConfig:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         check_store_url(self.store)
+        if self.store_max_connections < 1:
+            raise ValueError(f"store_max_connections must be >= 1, got {self.store_max_connections}")
         for name in ("notify_wait_s", "expiry_margin_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -187,6 +190,7 @@ FLAG_HELP: dict[str, str] = {
     "store_timeout_s": "timeout of one conversation-store call; beyond it the turn is served without reuse",
     "store_retry_s": "after a failed conversation-store call, turns skip the store for this long",
     "store_prefix": "key prefix of this router fleet's entries in Redis",
+    "store_max_connections": "connections to Redis; calls beyond them wait for one (at most --store-timeout-s)",
     "loop": "event loop implementation",
     "log_level": "logging level",
 }

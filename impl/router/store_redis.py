@@ -16,7 +16,10 @@ replica runs it (Redis runs a script alone; no WATCH/MULTI retry loops):
   the script returned (the script cannot hash a prompt; the entry cannot change meaning in transit);
 * **a failed turn keeps its entry** -- a lookup never consumes;
 * **the bound** -- exact LRU over ``max_entries`` live entries, by a sorted set of last-use stamps,
-  enforced by the script that stores. Redis key TTLs are only a backstop (usable time + 10 min) that
+  enforced by the script that stores (expired entries leave first, then the least recently used). Each
+  script purges at most 100 expired entries (~55 us each here under load), so a mass expiry never
+  blocks Redis -- every replica's turns -- for long; the rest go over the next calls, and until then a
+  lookup still answers them ``expired``. Redis key TTLs are only a backstop (usable time + 10 min) that
   frees an abandoned fleet's memory, and ``maxmemory-policy`` should be ``noeviction`` or
   ``volatile-lru``: only entry keys carry a TTL, so Redis never evicts the indexes, and an entry Redis
   dropped anyway is cleaned from them as ``evicted`` on its next lookup. ``allkeys-*`` could evict an
@@ -96,8 +99,10 @@ local function remove(m, reason, max)
   if reason then remember_gone(m, reason, max) end
   return true
 end
-local function purge(now, max)
-  local dead = redis.call('ZRANGEBYSCORE', pfx .. 'exp', '-inf', now)
+-- at most `limit` per call: after a long idle spell (every entry expired) one script must not block
+-- Redis -- and every replica's turns -- for the whole purge; the rest goes over the next calls
+local function purge(now, max, limit)
+  local dead = redis.call('ZRANGEBYSCORE', pfx .. 'exp', '-inf', now, 'LIMIT', 0, limit)
   for _, m in ipairs(dead) do remove(m, 'expired', max) end
   return #dead
 end
@@ -106,7 +111,7 @@ end
 # ARGV: now, member, max_entries, '1' to wait for a pending update -> {status, purged, size, [version, data]}
 _LOOKUP = _COMMON + r"""
 local now, m, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local purged = purge(now, max)
+local purged = purge(now, max, 100)
 if ARGV[4] == '1' and redis.call('EXISTS', pfx .. 'p:' .. m) == 1 then
   return {'pending', purged, redis.call('ZCARD', pfx .. 'lru')}
 end
@@ -147,7 +152,7 @@ return 0
 #   -> {status, purged, size, [version, evicted]}
 _RECORD = _COMMON + r"""
 local now, m, max, u, data, ttl, expect = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
-local purged = purge(now, max)
+local purged = purge(now, max, 100)
 local k = pfx .. 'e:' .. m
 if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then
   return {'conflict', purged, redis.call('ZCARD', pfx .. 'lru')}
@@ -166,8 +171,13 @@ redis.call('ZADD', pfx .. 'exp', u, m)
 redis.call('HINCRBY', pfx .. 'ids', conv_of(m), 1)
 local evicted = 0
 while redis.call('ZCARD', pfx .. 'lru') > max do
-  remove(redis.call('ZRANGE', pfx .. 'lru', 0, 0)[1], 'evicted', max)
-  evicted = evicted + 1
+  -- an expired entry the batch left goes first: a live one is evicted only when none is left
+  if purge(now, max, 1) == 0 then
+    remove(redis.call('ZRANGE', pfx .. 'lru', 0, 0)[1], 'evicted', max)
+    evicted = evicted + 1
+  else
+    purged = purged + 1
+  end
 end
 return {'stored', purged, redis.call('ZCARD', pfx .. 'lru'), tostring(v), evicted}
 """
@@ -227,15 +237,22 @@ class RedisStore:
         self._down = False
 
     @classmethod
-    def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, **kwargs: Any) -> "RedisStore":
+    def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, max_connections: int = 64,
+                 **kwargs: Any) -> "RedisStore":
         extra: dict[str, Any] = {}
         if password and not urlsplit(url).password:
             extra["password"] = password
         # one immediate retry on a fresh connection after a connection error: a pooled connection to a
         # Redis that restarted fails once and then works. Never after a timeout: a turn would wait
         # timeout_s twice for a Redis that is stuck
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)), **extra)
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+        # a bounded pool whose callers wait (at most timeout_s) for a free connection: redis-py's default
+        # pool raises "Too many connections" beyond 100 concurrent calls, which at a few hundred
+        # concurrent turns would read as an outage
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                        retry=retry, **extra)
+        client = aioredis.Redis(connection_pool=pool, retry=retry)
         parts = urlsplit(url)
         return cls(client, name=f"{parts.scheme}://{parts.hostname or ''}:{parts.port or ''}{parts.path}", **kwargs)
 

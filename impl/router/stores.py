@@ -169,4 +169,5 @@ def open_store(config: Any, environ: dict[str, str] | Any) -> RouterStore:
     return RedisStore.from_url(config.store, password=environ.get(config.store_password_env) or None,
                                max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s,
                                timeout_s=config.store_timeout_s, retry_s=config.store_retry_s,
+                               max_connections=config.store_max_connections,
                                prefix=config.store_prefix, pending_wait_s=config.notify_wait_s)

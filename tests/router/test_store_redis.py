@@ -418,3 +418,17 @@ async def test_a_stuck_redis_costs_one_timeout_then_calls_fail_fast_until_it_ans
             os.kill(server.proc.pid, signal.SIGCONT)
         await store.close()
         server.close()
+
+
+async def test_a_mass_expiry_is_purged_over_several_calls_and_still_answered_expired(redis_server):
+    store = redis_store(redis_server.url, max_entries=1000, expiry_margin_s=5.0)
+    for i in range(250):
+        await store.record_success("t", f"c{i}", entry([i], expires_at=100.0), now=0.0)
+    assert await store.size() == 250
+    got = await store.lookup("t", "c249", ItemsPrompt([249]), now=200.0)  # everything expired at once
+    assert got.miss is MissReason.EXPIRED and store.stats.purged == 100  # one bounded batch per call
+    assert await store.size() == 150
+    await store.lookup("t", "zz", ItemsPrompt([1]), now=200.0)
+    await store.lookup("t", "zz", ItemsPrompt([1]), now=200.0)
+    assert await store.size() == 0 and store.stats.purged == 250
+    await store.close()
