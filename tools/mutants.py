@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 COPY = ("impl", "sim", "calibration", "tests", "pyproject.toml")
 
 POLICY = ("tests/policy",)
+STORE_BYTES = ("tests/router/test_issue16_store_bytes.py",)  # the byte bound's own tests (issue 16)
 ROUTER = ("tests/policy/test_store.py", "tests/router/test_flow.py", "tests/router/test_heartbeat.py",
           "tests/router/test_faults.py", "tests/router/test_units.py", "tests/router/test_load_and_state.py",
           "tests/router/test_clocks.py", "tests/router/test_guard_answer.py")
@@ -70,7 +71,12 @@ MUTANTS = [
     Mutant("store-evict-newest", "impl/policy/store.py",
            "old_key = next(iter(self._entries))", "old_key = next(reversed(self._entries))", POLICY),
     Mutant("store-bound-off-by-one", "impl/policy/store.py",
-           "while len(self._entries) > self.max_entries:", "while len(self._entries) >= self.max_entries:", POLICY),
+           "while len(self._entries) > self.max_entries or", "while len(self._entries) >= self.max_entries or", POLICY),
+    Mutant("store-bytes-leak-on-remove", "impl/policy/store.py",
+           "self.bytes -= self._sizes.pop(key, 0)", "self._sizes.pop(key, 0)", POLICY + STORE_BYTES),
+    Mutant("store-byte-bound-doubled", "impl/policy/store.py",
+           "self.max_bytes is not None and self.bytes > self.max_bytes", "self.max_bytes is not None and self.bytes > 2 * self.max_bytes",
+           POLICY + STORE_BYTES),
     Mutant("store-keeps-born-expired", "impl/policy/store.py",
            "        if now >= self._usable_until(entry):\n            self._remember_gone(key, MissReason.EXPIRED)",
            "        if now > self._usable_until(entry) + 1.0:\n            self._remember_gone(key, MissReason.EXPIRED)",

@@ -108,28 +108,45 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.store.get(*key) is None  # born expired: not stored, not even the old turn's entry
         self._sync(may_evict=True)
 
+    def _prompt_for(self, key, data) -> list[int]:
+        """Mostly a continuation of what ``key`` holds; else exactly it, one short, edited, another
+        key's history (a foreign tenant's), or anything."""
+        stored = sorted(self.ref)
+        shape = data.draw(st.sampled_from(["continue"] * 3 + ["exact", "short", "edit", "other", "random"]),
+                          label="shape")
+        if shape == "random" or not stored:
+            return data.draw(st.lists(st.integers(0, 3), max_size=9), label="prompt")
+        source = key if key in self.ref and shape != "other" else data.draw(st.sampled_from(stored), label="source")
+        base = list(self.ref[source][0])
+        if shape in ("continue", "other"):
+            return base + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4), label="suffix")
+        if shape == "exact":
+            return base
+        if shape == "short":
+            return base[:-1]
+        i = data.draw(st.integers(0, len(base) - 1), label="edited at")
+        return base[:i] + [base[i] + 1] + base[i + 1:] + [0]
+
     @rule(tenant=st.sampled_from(TENANTS), conv=st.sampled_from(CONVS), data=st.data())
     def lookup(self, tenant, conv, data):
         stored = sorted(self.ref)
-        if stored and data.draw(st.booleans(), label="look up a stored key"):
+        if stored and data.draw(st.integers(0, 3), label="look up a stored key"):
             tenant, conv = data.draw(st.sampled_from(stored), label="key")  # hits, and LRU reordering of a full store
-        key = (tenant, conv)
-        shape = data.draw(st.sampled_from(["continue", "exact", "short", "edit", "random"]), label="shape")
-        if shape == "random" or not stored:
-            prompt = data.draw(st.lists(st.integers(0, 3), max_size=9), label="prompt")
-        else:
-            # usually this key's own held sequence, sometimes another key's (a foreign tenant's history)
-            source = key if key in self.ref and data.draw(st.booleans()) else data.draw(st.sampled_from(stored))
-            base = list(self.ref[source][0])
-            if shape == "continue":
-                prompt = base + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4), label="suffix")
-            elif shape == "exact":
-                prompt = base
-            elif shape == "short":
-                prompt = base[:-1]
-            else:
-                i = data.draw(st.integers(0, len(base) - 1), label="edited at")
-                prompt = base[:i] + [base[i] + 1] + base[i + 1:] + [0]
+        self._check_lookup((tenant, conv), self._prompt_for((tenant, conv), data))
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data(), offset=st.sampled_from(EDGE_OFFSETS))
+    def lookup_at_an_edge(self, data, offset):
+        """Time moves onto one of a stored entry's edges (its purge bucket, usable end, margin window,
+        expiry) and the conversation's next turn arrives right then."""
+        key = data.draw(st.sampled_from(sorted(self.ref)), label="key")
+        target = self.ref[key][1] - self.margin + offset
+        if self.now <= target < math.inf:
+            self._time_to(target)
+        self._check_lookup(key, self._prompt_for(key, data))
+
+    def _check_lookup(self, key, prompt):
+        tenant, conv = key
         got = self.store.lookup(tenant, conv, ItemsPrompt(prompt), self.now)
         self._sync(may_evict=False)
         ref = self.ref.get(key)
