@@ -82,7 +82,7 @@ class RouterConfig:
     store_password_env: str = "BIDIKV_STORE_PASSWORD"  # Redis password, when not in the URL
     store_timeout_s: float = 0.5  # one Redis call; beyond it the turn is served without reuse
     store_retry_s: float = 1.0  # after a failed Redis call, turns skip it this long (no timeout each)
-    store_max_connections: int = 64  # to Redis; more concurrent calls queue (redis-py's own pool fails at 100)
+    store_max_connections: int = 16  # to Redis; more concurrent calls queue (redis-py's own pool fails at 100)
     store_prefix: str = "bidikv:"  # Redis key prefix: routers sharing one store use the same one
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
