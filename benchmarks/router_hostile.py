@@ -1,8 +1,8 @@
 """The router under the two hostile loads of issue 16, with the figures printed.
 
 ``flood``: a flood of long-context conversations. Every turn is a new conversation whose D answers
-with ``--blocks`` block ids (2,000 blocks = 32k tokens at 16 per block), so every turn stores an
-entry of ~80 KB. The router's RSS (``/proc/<pid>/status``), the store's counted bytes and entries
+with ``--blocks`` block ids (8,000 blocks = 128k tokens at 16 per block; every other id, so the store
+cannot keep them as one range: ~32 KB an entry packed, ~290 KB as Python ints). The router's RSS (``/proc/<pid>/status``), the store's counted bytes and entries
 (``/metrics``) are sampled every second: with ``--max-store-bytes`` they must plateau at the bound;
 ``--max-store-bytes 0`` runs with a bound far above the flood to show the growth the bound prevents.
 
@@ -50,6 +50,7 @@ class ScriptedUpstream(asyncio.Protocol):
     """P (``max_tokens`` 1) and D (anything else, JSON answer with ``BLOCKS`` fresh block ids)."""
 
     blocks = 2000
+    contiguous = False
 
     def connection_made(self, transport):
         self.transport = transport
@@ -92,20 +93,22 @@ class ScriptedUpstream(asyncio.Protocol):
 
     def decode(self) -> bytes:
         n = next(_REQUEST_IDS)
-        first = (n * self.blocks) % 1_000_000_000 + 1000  # fresh ids per turn: the router cannot share them
+        step = 1 if self.contiguous else 2  # every other block: the router's store cannot keep them as one range
+        first = (n * self.blocks * step) % 1_000_000_000 + 1000  # fresh ids per turn: the router cannot share them
         return _json_response({"id": "d", "object": "chat.completion", "model": "bench",
                                "choices": [{"index": 0, "message": {"role": "assistant", "content": "answer"},
                                             "finish_reason": "stop"}],
                                "kv_transfer_params": {"do_remote_prefill": False, "do_remote_decode": True,
-                                                      "remote_block_ids": [list(range(first, first + self.blocks))],
+                                                      "remote_block_ids": [list(range(first, first + step * self.blocks, step))],
                                                       "remote_engine_id": "D", "remote_request_id": f"d-{n}",
                                                       "remote_host": "127.0.0.1", "remote_port": 5700, "tp_size": 1,
                                                       "remote_num_tokens": self.blocks * 16,
                                                       "remote_blocks_expiry_time": time.time() + 480}})
 
 
-def run_upstream(port: int, blocks: int) -> None:
+def run_upstream(port: int, blocks: int, contiguous: bool) -> None:
     ScriptedUpstream.blocks = blocks
+    ScriptedUpstream.contiguous = contiguous
 
     async def main():
         server = await asyncio.get_running_loop().create_server(ScriptedUpstream, "127.0.0.1", port, backlog=4096)
@@ -282,8 +285,10 @@ def main() -> int:
     ap.add_argument("mode", choices=["flood", "siege"])
     ap.add_argument("--conversations", type=int, default=20_000, help="flood: conversations (one turn each)")
     ap.add_argument("--blocks", type=int, default=None,
-                    help="block ids in each of D's answers (default: 2000 for flood, 16 for siege, whose RSS is then "
-                         "the connections' and not the store's)")
+                    help="block ids in each of D's answers (default: 8000 -- a 128k-token context -- for flood, 16 for "
+                         "siege, whose RSS is then the connections' and not the store's)")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="D's block ids one contiguous run (the store keeps it as a range); default every other id")
     ap.add_argument("--max-store-bytes", type=int, default=128 * 2**20,
                     help="flood: the router's bound (0: a bound far above the flood, to show the growth it prevents)")
     ap.add_argument("--users", type=int, default=8, help="closed-loop clients sending normal turns")
@@ -296,16 +301,16 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.blocks is None:
-        args.blocks = 2000 if args.mode == "flood" else 16
+        args.blocks = 8000 if args.mode == "flood" else 16
     if args.upstream:
-        run_upstream(args.port, args.blocks)
+        run_upstream(args.port, args.blocks, args.contiguous)
         return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the siege's sockets are ours too
     up_port, router_port = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    upstream = subprocess.Popen([sys.executable, __file__, "--upstream", "--port", str(up_port), "--blocks", str(args.blocks), "flood"],
-                                env=env)
+    upstream = subprocess.Popen([sys.executable, __file__, "--upstream", "--port", str(up_port), "--blocks", str(args.blocks),
+                                 *(["--contiguous"] if args.contiguous else []), "flood"], env=env)
     router = None
     try:
         wait_http(up_port)

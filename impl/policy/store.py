@@ -14,12 +14,14 @@ keeps the blocks pinned) and lets any client that knows an id reuse another's KV
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from impl.policy.block_ids import BLOCK_IDS, CompactParams
 from impl.policy.continuation import PromptView, continues
 
 DEFAULT_EXPIRY_MARGIN_S = 5.0
@@ -93,9 +95,23 @@ def _approx_bytes(value: Any) -> int:
 
 def entry_bytes(key: Key, entry: ConversationEntry) -> int:
     """What storing ``entry`` under ``key`` costs in memory (the store's byte bound counts this)."""
-    params = entry.kv_params if type(entry.kv_params) is dict else dict(entry.kv_params)
+    params = entry.kv_params
+    if type(params) is CompactParams:
+        params_bytes = (sys.getsizeof(params) + _approx_bytes(params.fields()) + params.group_bytes()
+                        + sum(_approx_bytes(g) for g in params.unpacked_groups()))
+    else:
+        params_bytes = _approx_bytes(params if type(params) is dict else dict(params))
     return (_ENTRY_OVERHEAD_BYTES + _approx_bytes(key[0]) + _approx_bytes(key[1]) + _approx_bytes(entry.decode_instance)
-            + _approx_bytes(params) + _approx_bytes(entry.held_digest))
+            + params_bytes + _approx_bytes(entry.held_digest))
+
+
+def _compacted(entry: ConversationEntry) -> ConversationEntry:
+    """``entry`` with D's block ids packed (impl.policy.block_ids): ~40 bytes per id become a range
+    or 4 bytes, and readers still get D's exact lists."""
+    params = entry.kv_params
+    if type(params) is CompactParams or not isinstance(params.get(BLOCK_IDS), list):
+        return entry
+    return dataclasses.replace(entry, kv_params=CompactParams(params))
 
 
 class ConversationStore:
@@ -161,6 +177,7 @@ class ConversationStore:
             self._remember_gone(key, MissReason.EXPIRED)
             return
         self._gone.pop(key, None)
+        entry = _compacted(entry)
         self._entries[key] = entry
         self._tenants_per_id[conversation_id] += 1
         self._wheel.setdefault(self._bucket(self._usable_until(entry)), {})[key] = entry
