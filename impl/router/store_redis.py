@@ -237,7 +237,7 @@ class RedisStore:
         self._down = False
 
     @classmethod
-    def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, max_connections: int = 64,
+    def from_url(cls, url: str, *, password: str | None = None, timeout_s: float = 0.5, max_connections: int = 16,
                  **kwargs: Any) -> "RedisStore":
         extra: dict[str, Any] = {}
         if password and not urlsplit(url).password:
@@ -246,9 +246,10 @@ class RedisStore:
         # Redis that restarted fails once and then works. Never after a timeout: a turn would wait
         # timeout_s twice for a Redis that is stuck
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-        # a bounded pool whose callers wait (at most timeout_s) for a free connection: redis-py's default
-        # pool raises "Too many connections" beyond 100 concurrent calls, which at a few hundred
-        # concurrent turns would read as an outage
+        # a small bounded pool whose callers wait (at most timeout_s) for a free connection: redis-py's
+        # default pool raises "Too many connections" beyond 100 concurrent calls (an outage at a few
+        # hundred concurrent turns), and opening many connections at once is what times out on a busy
+        # machine; a call takes ~0.1-0.2 ms, so 16 connections carry tens of thousands a second
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
                                                         socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                                         retry=retry, **extra)
