@@ -73,7 +73,7 @@ def add_bench_fit_flags(parser: argparse.ArgumentParser) -> None:
     """Flags of a fit from bench records (calibrate --from-bench, validate); defaults from their modules."""
     from calibration.bench_settings import DeploymentSettings
     from calibration.busy import DEFAULT_BUSY_WINDOW_S
-    from calibration.from_bench import DEFAULT_MAX_TRANSFER_BYTES_PER_S
+    from calibration.from_bench import DEFAULT_LOSS, DEFAULT_MAX_TRANSFER_BYTES_PER_S, LOSSES
 
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(DeploymentSettings)}
     parser.add_argument("--deployment", metavar="JSON",
@@ -86,6 +86,9 @@ def add_bench_fit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy-window-s", type=float, default=DEFAULT_BUSY_WINDOW_S,
                         help="a turn starting this soon after another one decoded counts as busy (P and D share "
                              "cores on the CPU rehearsal); 0 fits no busy term (default: %(default)s)")
+    parser.add_argument("--loss", choices=LOSSES, default=DEFAULT_LOSS,
+                        help="fit loss on the relative error: soft_l1 (robust: a few turns slowed by other load do "
+                             "not set the terms) or linear (least squares) (default: %(default)s)")
 
 
 def bench_settings(args: argparse.Namespace, bench_path: str) -> Any:
@@ -116,7 +119,7 @@ def run_from_bench(args: argparse.Namespace) -> int:
     settings = bench_settings(args, args.from_bench)
     profile, report = fit_from_bench(read_jsonl(args.from_bench), LatencyProfile.load(args.base_profile),
                                      settings=settings, max_transfer_bytes_per_s=args.max_transfer_bytes_per_s,
-                                     busy_window_s=args.busy_window_s)
+                                     busy_window_s=args.busy_window_s, loss=args.loss)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

@@ -3,9 +3,9 @@
 Given the JSONL of a ``bidikv bench`` run against a deployment (and the deployment's settings,
 :mod:`calibration.bench_settings`) and a profile (fitted with :mod:`calibration.from_bench` on the same
 or, for a held-out check, on *other* runs), the same conversations are replayed through the
-simulator's :class:`sim.cluster.Cluster`: the same prompt and output lengths, each turn released at
-its recorded start (``Turn.arrival_s``; a turn the simulator has not finished by then waits for it, as
-the real client did), one P and one D, the deployment's threshold, TTL and expiry margin, the fitted
+simulator's :class:`sim.cluster.Cluster`: the same prompt and output lengths, each conversation from
+its recorded start, each later turn after the think time the client really slept
+(:func:`conversations_from_bench`), one P and one D, the deployment's threshold, TTL and expiry margin, the fitted
 host contention (:mod:`sim.contention`). Then per turn:
 
 * the reuse decision: ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (P would
@@ -63,9 +63,22 @@ class TurnComparison:
         return (self.sim_tpot_s - self.real_tpot_s) / self.real_tpot_s if self.real_tpot_s > 0 else math.nan
 
 
-def conversations_from_bench(records: Sequence[BenchRecord]) -> list[Conversation]:
-    """The bench run's conversations, each turn at its recorded start; a conversation stops at its first
-    failed turn, as the bench client did (it had no answer to continue from)."""
+TIMINGS = ("think", "absolute")
+
+
+def conversations_from_bench(records: Sequence[BenchRecord], timing: str = "think") -> list[Conversation]:
+    """The bench run's conversations; a conversation stops at its first failed turn, as the bench client
+    did (it had no answer to continue from). Each conversation starts at its recorded start; then
+
+    * ``think`` (default): each later turn follows the simulated completion of the one before by the
+      think time the client really slept (recorded start - previous start - previous total). This is
+      what the bench client does, and what decides expiry: D's TTL runs from *its* finish, so a
+      replay at absolute times would expire a turn whenever the simulator finished the previous one
+      earlier than the real, loaded machine did;
+    * ``absolute``: each turn at its recorded start (or when the simulated previous one finishes, if later).
+    """
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
     by_conv: dict[str, list[BenchRecord]] = {}
     for r in records:
         by_conv.setdefault(r.conversation, []).append(r)
@@ -73,11 +86,17 @@ def conversations_from_bench(records: Sequence[BenchRecord]) -> list[Conversatio
     for cid, rs in by_conv.items():
         rs.sort(key=lambda r: r.turn)
         turns = []
+        previous = None
         for r in rs:
             if not r.ok:
                 break
             # the bench appends the server's own ids to the history: a faithful continuation (agreement None)
-            turns.append(Turn(prompt_tokens=r.prompt_tokens, output_tokens=max(r.output_tokens, 1), arrival_s=r.start_s))
+            if timing == "absolute":
+                turns.append(Turn(prompt_tokens=r.prompt_tokens, output_tokens=max(r.output_tokens, 1), arrival_s=r.start_s))
+            else:
+                think = 0.0 if previous is None else max(0.0, r.start_s - previous.start_s - previous.total_s)
+                turns.append(Turn(prompt_tokens=r.prompt_tokens, output_tokens=max(r.output_tokens, 1), gap_before_s=think))
+            previous = r
         if turns:
             out.append(Conversation(cid, start_s=rs[0].start_s, turns=tuple(turns)))
     out.sort(key=lambda c: c.start_s)
@@ -101,17 +120,41 @@ def sim_config(settings: DeploymentSettings, profile: LatencyProfile, bidirectio
     return config.validate()
 
 
+def bench_clients(records: Sequence[BenchRecord]) -> int:
+    """How many clients the bench ran: the most conversations in progress at once (first start to last end)."""
+    spans: dict[str, list[float]] = {}
+    for r in records:
+        end = r.start_s + (r.total_s if math.isfinite(r.total_s) else 0.0)
+        lo_hi = spans.setdefault(r.conversation, [r.start_s, end])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], r.start_s), max(lo_hi[1], end)
+    events = sorted([(lo, 1) for lo, _ in spans.values()] + [(hi, -1) for _, hi in spans.values()])
+    live = most = 0
+    for _, step in events:  # an end sorts before a start at the same instant: back to back is one client
+        live += step
+        most = max(most, live)
+    return max(most, 1)
+
+
 def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: DeploymentSettings,
-           contention: HostContention = HostContention()) -> list[TurnRecord]:
-    """The simulator's records of the same conversations at the same times."""
+           contention: HostContention = HostContention(), timing: str = "think") -> list[TurnRecord]:
+    """The simulator's records of the same conversations (see :func:`conversations_from_bench`).
+
+    With ``think`` timing the conversations run as the bench ran them: a pool of as many clients as it
+    had (:func:`bench_clients`), each taking the next conversation when its last one ends, in the
+    recorded order; with ``absolute`` timing each conversation starts at its recorded start."""
     from sim.cluster import Cluster
 
     modes = {r.mode for r in records}
     if len(modes) != 1:
         raise ValueError(f"a replay is one deployment: the records mix modes {sorted(modes)}")
-    cluster = Cluster(sim_config(settings, profile, modes == {"on"}), profile)
+    config = sim_config(settings, profile, modes == {"on"})
+    conversations = conversations_from_bench(records, timing)
+    if timing == "think":
+        config.num_clients = bench_clients(records)
+        conversations = [dataclasses.replace(c, start_s=0.0) for c in conversations]
+    cluster = Cluster(config, profile)
     attach(cluster, contention)
-    return cluster.run(conversations_from_bench(records)).records
+    return cluster.run(conversations).records
 
 
 def real_decision(r: BenchRecord, settings: DeploymentSettings) -> str:
@@ -202,9 +245,9 @@ def contention_of(profile: LatencyProfile) -> HostContention:
 
 
 def validate_run(records: Sequence[BenchRecord], profile: LatencyProfile, settings: DeploymentSettings,
-                 bucket_tokens: int = 512) -> tuple[dict[str, Any], list[TurnComparison]]:
+                 bucket_tokens: int = 512, timing: str = "think") -> tuple[dict[str, Any], list[TurnComparison]]:
     settings = dataclasses.replace(settings, bidirectional=all(r.mode == "on" for r in records))
-    comparisons = compare(records, replay(records, profile, settings, contention_of(profile)), settings)
+    comparisons = compare(records, replay(records, profile, settings, contention_of(profile), timing), settings)
     return summarize(comparisons, bucket_tokens), comparisons
 
 

@@ -31,6 +31,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threshold", type=int, default=None, help="override every run's kv_recompute_threshold")
     p.add_argument("--ttl", type=float, default=None, help="override every run's decoder_kv_blocks_ttl (s)")
     p.add_argument("--bucket-tokens", type=int, default=512, help="prompt bucket width for the tables (default: %(default)s)")
+    p.add_argument("--timing", choices=("think", "absolute"), default="think",
+                   help="think: each later turn follows the simulated previous one by the think time the client "
+                        "slept (what the bench client does; D's TTL runs from its finish); absolute: at the recorded "
+                        "starts (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON (fit report, per-run summaries and turns)")
     p.add_argument("--output-profile", metavar="JSON", help="write the fitted profile here")
     add_bench_fit_flags(p)
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         profile, report = fit_from_runs([read_jsonl(f) for f in fit_paths], LatencyProfile.load(args.base_profile),
                                         name="bench-fit", settings=_settings(args, fit_paths[0]),
                                         max_transfer_bytes_per_s=args.max_transfer_bytes_per_s,
-                                        busy_window_s=args.busy_window_s)
+                                        busy_window_s=args.busy_window_s, loss=args.loss)
         out["fit"] = {"runs": fit_paths, "report": report}
         text.append(fit_summary(report, ", ".join(fit_paths), args.base_profile, profile))
         held_out = sorted(set(args.bench) - set(fit_paths))
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     out["runs"] = {}
     for path in args.bench:
         settings = _settings(args, path)
-        summary, comparisons = validate_run(read_jsonl(path), profile, settings, args.bucket_tokens)
+        summary, comparisons = validate_run(read_jsonl(path), profile, settings, args.bucket_tokens, args.timing)
         summary["held_out"] = not args.profile and path not in (args.fit or args.bench)
         summary["settings"] = {"kv_recompute_threshold": settings.kv_recompute_threshold,
                                "decoder_kv_blocks_ttl": settings.decoder_kv_blocks_ttl, "block_size": profile.block_size}

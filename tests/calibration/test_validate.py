@@ -13,7 +13,7 @@ import pytest
 
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
-from calibration.validate import TurnComparison, conversations_from_bench, summarize, validate_run
+from calibration.validate import TurnComparison, bench_clients, conversations_from_bench, summarize, validate_run
 from impl.bench.records import BenchRecord
 
 BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")
@@ -75,9 +75,18 @@ def test_a_disagreement_is_reported_not_hidden():
 def test_replayed_conversations_keep_the_recorded_starts_and_stop_at_a_failure():
     run = _conversation("e", [0.0, 4.0, 9.0], [0, 695, 0], [0, 695, 0])
     run[2] = dataclasses.replace(run[2], error="HTTP 500", ttft_s=float("nan"))
-    (conv,) = conversations_from_bench(run)
+    (conv,) = conversations_from_bench(run, "absolute")
     assert [t.arrival_s for t in conv.turns] == [0.0, 4.0]
     assert [t.prompt_tokens for t in conv.turns] == [600, 746]
+    (conv,) = conversations_from_bench(run)  # think time: the client slept 4.0 - 2.9 s after turn 0
+    assert [t.gap_before_s for t in conv.turns] == [0.0, pytest.approx(4.0 - TURN_S)]
+
+
+def test_bench_clients_counts_conversations_in_progress_at_once():
+    back_to_back = _conversation("a", [0.0], [0], [0]) + _conversation("b", [TURN_S], [0], [0])
+    assert bench_clients(back_to_back) == 1
+    overlapping = back_to_back + _conversation("c", [1.0], [0], [0])
+    assert bench_clients(overlapping) == 2
 
 
 def test_summary_percentiles_by_hand():
