@@ -49,7 +49,8 @@ class Fleet:
         self.d = decode or FakeVllmUpstream("d0", role="decode", style=style)
         self.n = n
         self.config = {"store": store_url, "store_prefix": unique_prefix(), "health_interval_s": 60.0,
-                       "connect_timeout_s": 1.0, "notify_wait_s": 2.0, "store_retry_s": 0.05, **config}
+                       "connect_timeout_s": 1.0, "notify_wait_s": 2.0, "store_retry_s": 0.05,
+                       "store_timeout_s": 10.0, **config}  # a loaded machine can stall Redis past 0.5 s
         self.apps: list[Any] = [None] * n
         self.runners: list[Any] = [None] * n
         self.urls: list[str] = [""] * n
@@ -165,7 +166,7 @@ async def test_a_replica_killed_mid_stream_leaves_the_conversation_to_the_others
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "impl.router", "--prefill", fleet.p.url, "--decode", fleet.d.url, "--host", "127.0.0.1",
-            "--port", str(port), "--store", redis_server.url, "--store-prefix", fleet.config["store_prefix"],
+            "--port", str(port), "--store", redis_server.url, "--store-prefix", fleet.config["store_prefix"], "--store-timeout-s", "10",
             "--health-interval-s", "60", "--log-level", "warning", cwd=str(REPO),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:

@@ -36,6 +36,7 @@ def entry(tokens: list[int], expires_at: float, instance: str = "d0", **params) 
 
 def redis_store(url: str, **kwargs) -> RedisStore:
     kwargs.setdefault("clock_offset", 0.0)  # tests drive time themselves
+    kwargs.setdefault("timeout_s", 10.0)  # a loaded CI machine can stall Redis past the router's 0.5 s
     kwargs.setdefault("prefix", unique_prefix())
     return RedisStore.from_url(url, **kwargs)
 
@@ -163,8 +164,8 @@ async def test_replace_and_forget_are_compare_and_set(make_store):
 async def test_replicas_with_different_clocks_agree_on_expiry(redis_server):
     prefix = unique_prefix()
     # replica A's monotonic clock reads 1000 s more than B's for the same instant
-    a = RedisStore.from_url(redis_server.url, prefix=prefix, expiry_margin_s=5.0, clock_offset=0.0)
-    b = RedisStore.from_url(redis_server.url, prefix=prefix, expiry_margin_s=5.0, clock_offset=1000.0)
+    a = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0, expiry_margin_s=5.0, clock_offset=0.0)
+    b = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0, expiry_margin_s=5.0, clock_offset=1000.0)
     await a.record_success("t", "c", entry([1], expires_at=1100.0), now=1000.0)  # 100 s to live, on A's clock
     got = await b.lookup("t", "c", ItemsPrompt([1]), now=50.0)  # 50 s later, on B's clock
     assert got.hit and got.entry.expires_at == pytest.approx(100.0)  # in B's clock
@@ -175,8 +176,8 @@ async def test_replicas_with_different_clocks_agree_on_expiry(redis_server):
 
 async def test_a_lookup_on_another_replica_waits_for_a_pending_update(redis_server):
     prefix = unique_prefix()
-    a = RedisStore.from_url(redis_server.url, prefix=prefix, pending_wait_s=5.0)
-    b = RedisStore.from_url(redis_server.url, prefix=prefix, pending_wait_s=5.0)
+    a = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0, pending_wait_s=5.0)
+    b = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0, pending_wait_s=5.0)
     now = time.monotonic()
     await a.record_success("t", "c", entry([1], now + 100), now=now)
     await a.mark_pending("t", "c", 5.0)  # turn 2 ended on A; D's notification is on its way
@@ -197,8 +198,8 @@ async def test_a_lookup_on_another_replica_waits_for_a_pending_update(redis_serv
 async def test_a_heartbeat_write_back_never_replaces_a_newer_turn(redis_server):
     """The race compare-and-set exists for, played step by step; a blind write would lose it."""
     prefix = unique_prefix()
-    hb_replica = RedisStore.from_url(redis_server.url, prefix=prefix)
-    turn_replica = RedisStore.from_url(redis_server.url, prefix=prefix)
+    hb_replica = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0)
+    turn_replica = RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0)
     now = time.monotonic()
     await turn_replica.record_success("t", "c", entry([1], now + 100, blocks="B1"), now=now)
     read = await hb_replica.get("t", "c")  # heartbeat relayed to D for blocks B1 ...
@@ -246,7 +247,7 @@ async def _check_indexes(client, prefix: str, bound: int) -> int:
 
 async def test_concurrent_replicas_never_leave_an_entry_on_freed_blocks(redis_server):
     prefix = unique_prefix()
-    replicas = [RedisStore.from_url(redis_server.url, prefix=prefix, max_entries=6) for _ in range(3)]
+    replicas = [RedisStore.from_url(redis_server.url, prefix=prefix, timeout_s=10.0, max_entries=6) for _ in range(3)]
     d = ModelD()
     rng = random.Random(7)
     convs = [f"c{i}" for i in range(8)]
