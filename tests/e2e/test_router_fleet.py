@@ -25,7 +25,8 @@ def replicas(e2e: E2E, redis_server):
     routers = []
     for i in range(2):
         router = router_process(e2e.prefill, e2e.decode, e2e.deployment.spec, e2e.log_dir, name=f"router-fleet{i}")
-        router.cmd += ["--store", redis_server.url, "--store-prefix", prefix]
+        # a loaded machine can stall Redis past the default 0.5 s: this test is about reuse, not timeouts
+        router.cmd += ["--store", redis_server.url, "--store-prefix", prefix, "--store-timeout-s", "10"]
         routers.append(router)
     try:
         for router in routers:

@@ -166,7 +166,8 @@ async def test_a_replica_killed_mid_stream_leaves_the_conversation_to_the_others
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "impl.router", "--prefill", fleet.p.url, "--decode", fleet.d.url, "--host", "127.0.0.1",
-            "--port", str(port), "--store", redis_server.url, "--store-prefix", fleet.config["store_prefix"], "--store-timeout-s", "10",
+            "--port", str(port), "--store", redis_server.url, "--store-prefix", fleet.config["store_prefix"],
+            "--store-timeout-s", "10",
             "--health-interval-s", "60", "--log-level", "warning", cwd=str(REPO),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
