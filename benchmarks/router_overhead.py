@@ -46,7 +46,7 @@ ANSWER = "".join(f"tok{i} " for i in range(CHUNKS))
 # -- the upstream (P and D in one raw asyncio server) -------------------------------------------------
 
 
-def _d_response() -> bytes:
+def _d_response(check: dict | None = None) -> bytes:
     events = []
     for i in range(CHUNKS):
         chunk = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench",
@@ -56,6 +56,8 @@ def _d_response() -> bytes:
                 "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[1, 2, 3, 4]],
                 "remote_engine_id": "D-bench", "remote_request_id": "d-bench", "remote_host": "127.0.0.1",
                 "remote_port": 5700, "tp_size": 1, "remote_num_tokens": 512, "remote_blocks_expiry_time": 1e12}
+            if check is not None:
+                chunk["kv_transfer_params"]["bidikv_prefix_check"] = check
         events.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     body = b"".join(events)
@@ -75,6 +77,22 @@ P_RESPONSE = _json_response({"id": "cmpl-p", "object": "chat.completion", "model
                                                     "remote_request_id": "p-bench", "remote_host": "127.0.0.1",
                                                     "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 500}})
 D_RESPONSE = _d_response()
+
+
+def use_verifying_upstream() -> None:
+    """D publishes a token-exact check (impl.policy.prefix_check, 512 tokens) and P answers offers with its
+    report: the router then stores turns without its message guard and reads P's report."""
+    global D_RESPONSE, P_RESPONSE
+    from impl.policy.prefix_check import chain_block_hashes, publish, scheme_tag
+
+    ids = list(range(512))
+    check = publish(chain_block_hashes(ids, 16), ids, 512, scheme=scheme_tag("sha256", 16, "bench", b""),
+                    block_size=16, anchor_tokens=[400])
+    D_RESPONSE = _d_response(check)
+    p = json.loads(P_RESPONSE.split(b"\r\n\r\n", 1)[1])
+    p["kv_transfer_params"]["bidikv_reuse"] = {"path": "d_to_p", "offered": 512, "verified": 480, "pulled": 480,
+                                               "reason": "partial"}
+    P_RESPONSE = _json_response(p)
 STATS = {"connections": 0, "requests": 0, "turn_connections": 0, "turn_connections_closed": 0, "health_connections": 0}
 
 
@@ -341,10 +359,14 @@ def main() -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the router's event loop")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--verified", action="store_true",
+                    help="D publishes a token-exact prefix check and P reports its verification (our connector)")
     ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upstream:
+        if args.verified:
+            use_verifying_upstream()
         run_upstream(args.port)
         return 0
 
@@ -356,7 +378,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = []
     try:
-        procs.append(subprocess.Popen(pinned([sys.executable, __file__, "--upstream", "--port", str(up_port)], 1, pin), env=env))
+        procs.append(subprocess.Popen(pinned([sys.executable, __file__, "--upstream", "--port", str(up_port)] + (["--verified"] if args.verified else []), 1, pin), env=env))
         wait_http(up_port)
         router_cmd = [sys.executable, "-m", "impl.router", "--prefill", f"http://127.0.0.1:{up_port}",
                       "--decode", f"http://127.0.0.1:{up_port}", "--host", "127.0.0.1", "--port", str(router_port),
