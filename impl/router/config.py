@@ -35,9 +35,10 @@ class RouterConfig:
     open_metrics: bool = False
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)
-    # ...and in bytes: an entry grows with D's block ids (~80 KB at 2,000 blocks, 32k tokens), so
-    # 100k entries could take ~8 GB. 512 MiB keeps a router on a 2 GB VM; ~6.5k conversations of
-    # 32k tokens, or the 100k bound first for short ones (~2 KB each)
+    # ...and in bytes: an entry grows with D's block ids (as Python ints ~80 KB at 2,000 blocks, 32k
+    # tokens: 100k entries could take ~8 GB). The store packs them (a run as a range, else 4 bytes an
+    # id), ~10 KB for 2,000 scattered ids; 512 MiB keeps a router on a 2 GB VM with ~50k such
+    # conversations, or the 100k bound first for contiguous or short ones
     max_store_bytes: int = 512 * 1024 * 1024
     max_body_bytes: int = 8 * 1024 * 1024
     # Client connections (impl.router.connections says why each exists). A head is a few hundred
@@ -147,7 +148,8 @@ FLAG_HELP: dict[str, str] = {
     "upstream_api_key_env": "environment variable holding the API key sent to vLLM",
     "max_conversations": "conversation store bound (LRU eviction beyond it)",
     "max_store_bytes": "conversation store bound in bytes, as counted per entry (D's block ids are most of it; "
-                       "LRU eviction beyond it; 512 MiB fits a 2 GB VM, ~6.5k conversations of 32k tokens). "
+                       "LRU eviction beyond it; 512 MiB fits a 2 GB VM: ~50k conversations of 32k tokens in scattered "
+                       "blocks, ~10 KB each packed). "
                        "In-process store only: size Redis with its own maxmemory",
     "max_body_bytes": "largest request body accepted (413 beyond it)",
     "client_header_timeout_s": "a client must send a whole request head within this many seconds of connecting "
