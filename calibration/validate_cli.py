@@ -41,6 +41,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _finite(value: Any) -> Any:
+    """NaN (no TPOT for a one-token turn, an empty bucket) as null: NaN is not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _settings(args: argparse.Namespace, path: str) -> Any:
     from calibration.cli import bench_settings
 
@@ -90,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
         text.append(format_summary(f"{path} ({'held out' if summary['held_out'] else 'in sample'}; threshold "
                                    f"{settings.kv_recompute_threshold}, TTL {settings.decoder_kv_blocks_ttl:g} s)", summary))
     if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True, default=lambda v: None, allow_nan=True)
-              .replace("NaN", "null"))
+        print(json.dumps(_finite(out), indent=2, sort_keys=True, allow_nan=False))
     else:
         print("\n\n".join(text))
     return 0 if all(math.isfinite(r["summary"]["overall"]["ttft"]["median_abs_pct"]) or r["summary"]["turns"] == 0

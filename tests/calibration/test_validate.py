@@ -97,3 +97,34 @@ def test_summary_percentiles_by_hand():
     assert s["overall"]["ttft"]["median_abs_pct"] == pytest.approx(10.0)
     assert s["by_prompt_bucket"]["512-1024"]["ttft"]["median_abs_pct"] == pytest.approx(10.0)  # 20 % and 0 %
     assert s["by_turn"]["1"]["ttft"]["n"] == 1
+
+
+def test_host_contention_slows_a_prefill_that_starts_while_decode_was_busy():
+    # factor 1 over a 1 s window: turn 1 arriving 0.5 s after turn 0 finished prefills in 2 x 0.5 s;
+    # turn 2, whose recorded think time is 2.5 s (its start - turn 1's start - turn 1's recorded 2.9 s), in 0.5 s
+    profile = dataclasses.replace(RIG, provenance={"host_contention": {"window_s": 1.0, "factor": 1.0}})
+    t1 = TURN_S + 0.5
+    t2 = t1 + 1.0 + 96 * 0.025 + 2.0  # turn 1 takes 1.0 s to its first token, then 2.4 s of decode
+    run = _conversation("f", [0.0, t1, t2], [0, 695, 841], [0, 695, 841])
+    _, turns = validate_run(run, profile, SETTINGS)
+    assert [round(c.sim_ttft_s, 3) for c in turns] == [0.5, 1.0, 0.5]
+
+
+def test_cli_json_is_strict_json(tmp_path, capsys):
+    import json
+
+    from impl.bench.records import write_jsonl
+    from impl.cli import main
+
+    path = tmp_path / "run.jsonl"
+    run = _conversation("g", [0.0, TURN_S + 1.0], [0, 695], [0, 695])
+    run[1] = dataclasses.replace(run[1], output_tokens=1)  # one token: no TPOT (NaN in memory)
+    write_jsonl(run, str(path))
+    (tmp_path / "run.deployment.json").write_text(json.dumps({"decoder_kv_blocks_ttl": 10.0, "block_size": 32,
+                                                              "kv_bytes_per_token": 32768}))
+    profile = tmp_path / "hand.json"
+    profile.write_text(RIG.to_json())
+    assert main(["validate", "--bench", str(path), "--profile", str(profile), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    (turns,) = [r["turns"] for r in out["runs"].values()]
+    assert turns[1]["real_tpot_s"] is None and turns[1]["sim_decision"] == "pulled"
