@@ -12,7 +12,9 @@ the upstream sent, that no spelling of them gets past the router:
   keys without case) a fragment of a sensitive name cannot spell one in any JSON encoding; that is
   nearly every chunk vLLM streams, and it passes unparsed. The test is ``bytes.lower`` and substring
   searches, ~0.9 us for a 200-byte chunk here; a case-insensitive regex took 4 us.
-* Anything else is parsed and every sensitive key is removed at any depth. A payload that cannot be
+* Anything else is parsed, every sensitive key is removed at any depth, and what goes out is the
+  re-encoded result, never the upstream's bytes: JSON with a key twice (``{"x": {"remote_host": ..},
+  "x": 1}``) parses to its last value here but to its first in some clients. A payload that cannot be
   parsed is refused: the caller replaces it with an error (SSE) or a 502 (a body). Refusing is the
   only choice that cannot leak: the router cannot tell what a non-JSON reader would make of it.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+KV_KEY = "kv_transfer_params"
 
 
 def suspect(data: bytes) -> bool:
@@ -31,7 +34,6 @@ def suspect(data: bytes) -> bool:
         return True
     lowered = data.lower()
     return b"kv_transfer" in lowered or b"remote_" in lowered or b"bidikv" in lowered
-KV_KEY = "kv_transfer_params"
 
 
 def is_sensitive_key(key: str) -> bool:
@@ -68,7 +70,7 @@ def scrub_event(data: bytes) -> tuple[bytes, bytes] | None:
 
     ``for_capture`` keeps a top-level ``kv_transfer_params`` object, re-encoded with the key spelt
     literally, so that capture takes D's params from it however D escaped the name; every other
-    sensitive key is gone from both. Unchanged payloads come back as the same bytes object.
+    sensitive key is gone from both. A payload that cannot spell one comes back as the same bytes object.
     """
     if not suspect(data):
         return data, data
@@ -77,9 +79,7 @@ def scrub_event(data: bytes) -> tuple[bytes, bytes] | None:
     except (ValueError, RecursionError):
         return None
     params = obj.pop(KV_KEY, None) if isinstance(obj, dict) else None
-    _, changed = _strip(obj)
-    if not changed and params is None:
-        return data, data  # a mention inside a string value: nothing to hide
+    _strip(obj)
     client = _encode(obj)
     if isinstance(params, dict) and params:
         obj[KV_KEY] = params
@@ -95,5 +95,5 @@ def scrub_body(raw: bytes) -> bytes | None:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    _, changed = _strip(obj)
-    return _encode(obj) if changed else raw
+    _strip(obj)
+    return _encode(obj)
