@@ -116,7 +116,7 @@ def test_version_in_a_terminal():
 def test_tune_small_grid_in_a_terminal(tmp_path):
     out = _ok(bidikv("tune", "--conversations", "8", "--ttls", "0,480", "--thresholds", "64", "--leases", "30",
                      "--gap-quantiles", "", "--workers", "1", "--plots", str(tmp_path), timeout=180),
-              "recommended:", "prefill: --kv-transfer-config", "router:")
+              "recommended:", "prefill: vllm serve ... --kv-transfer-config", "router:  bidikv router --prefill")
     assert (tmp_path / "frontier.png").stat().st_size > 0 and "wrote" in out
 
 
