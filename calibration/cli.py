@@ -137,7 +137,7 @@ def fit_summary(report: dict[str, Any], source: str, base_name: str, profile: An
     for term, value in report["terms"].items():
         lines.append(f"  {term:24} " + ("not identifiable from these turns" if value is None else f"{value:.6g} s"))
     lines.append(f"  {'busy factor':24} {report['busy_factor']:.3f} (a busy turn's compute x {1 + report['busy_factor']:.2f}; "
-                 f"window {report['busy_window_s']:g} s)")
+                 f"window {report['busy_window_s']:g} s; a rig property: bidikv validate replays it, simulate does not)")
     lines.append(f"  TTFT fit: median |error| {report['rel_error_p50']:.1%}, max {report['rel_error_max']:.1%}")
     decode = report.get("decode")
     if decode:
