@@ -41,6 +41,15 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def ranking(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The runs ordered by mean TTFT, as measured and as simulated: does the simulator rank them as reality does?"""
+    def order(which: str) -> list[str]:
+        return [pathlib.Path(p).name for p in sorted(summaries, key=lambda p: summaries[p]["mean_ttft_ms"][which])]
+
+    real, sim = order("real"), order("sim")
+    return {"real": real, "sim": sim, "same": real == sim}
+
+
 def _finite(value: Any) -> Any:
     """NaN (no TPOT for a one-token turn, an empty bucket) as null: NaN is not JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -100,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
             for c in comparisons]}
         text.append(format_summary(f"{path} ({'held out' if summary['held_out'] else 'in sample'}; threshold "
                                    f"{settings.kv_recompute_threshold}, TTL {settings.decoder_kv_blocks_ttl:g} s)", summary))
+    if len(args.bench) > 1:
+        out["ranking"] = ranking({p: r["summary"] for p, r in out["runs"].items()})
+        text.append(f"ranking by mean TTFT (fastest first): real {' < '.join(out['ranking']['real'])}; "
+                    f"simulated {' < '.join(out['ranking']['sim'])}: "
+                    + ("the same" if out["ranking"]["same"] else "DIFFERENT"))
     if args.json:
         print(json.dumps(_finite(out), indent=2, sort_keys=True, allow_nan=False))
     else:
