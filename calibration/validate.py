@@ -8,10 +8,11 @@ its recorded start, each later turn after the think time the client really slept
 (:func:`conversations_from_bench`), one P and one D, the deployment's threshold, TTL and expiry margin, the fitted
 host contention (:mod:`sim.contention`). Then per turn:
 
-* the reuse decision: ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (P would
-  pull but D no longer had the blocks, or they were within the margin of expiry), ``expired`` (the
-  router had nothing unexpired to offer), ``none`` (first turn, or bidirectional OFF) -- expected to
-  agree exactly;
+* the reuse decision (:func:`classify`, one rule applied to what the real and the simulated router and
+  P reported): ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (offered enough,
+  pulled nothing: the blocks went within the expiry margin before P read them, or P's token check
+  failed), ``expired`` (the router had nothing unexpired to offer), ``none`` (first turn, or
+  bidirectional OFF) -- expected to agree exactly;
 * pulled tokens (P's ``prefill_cached_tokens``; P runs without prefix caching) -- exact;
 * TTFT and TPOT relative error, summarised as median and p90 of |error| by prompt bucket and turn index.
 
@@ -33,10 +34,6 @@ from impl.bench.records import BenchRecord
 from sim.contention import HostContention, attach
 from sim.records import TurnRecord, percentile
 from sim.workload.model import Conversation, Turn
-
-# What the simulator's decision reasons mean for "P would have pulled" (impl.policy.DecisionReason values)
-_PULL_REASONS = {"at_or_above_threshold", "threshold_disabled", "pull_cheaper"}
-
 
 @dataclass(frozen=True, slots=True)
 class TurnComparison:
@@ -157,24 +154,29 @@ def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: De
     return cluster.run(conversations).records
 
 
-def real_decision(r: BenchRecord, settings: DeploymentSettings) -> str:
-    if r.mode == "off" or r.turn == 0:
+def classify(bidirectional: bool, turn: int, offered: int, pulled: int, threshold: int) -> str:
+    """One rule for both sides, on what the router and P report (so real and simulated mean the same):
+    ``none`` (OFF, or a first turn), ``expired`` (the router offered nothing: no unexpired entry),
+    ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (offered enough, pulled
+    nothing: D's blocks went within the expiry margin before P read them, or P's token check failed)."""
+    if not bidirectional or turn == 0:
         return "none"
-    if r.reuse_offered_tokens == 0:
+    if offered == 0:
         return "expired"
-    if r.prefill_cached_tokens:
+    if pulled:
         return "pulled"
-    return "recomputed" if r.reuse_offered_tokens < settings.kv_recompute_threshold else "declined"
+    return "recomputed" if offered < threshold else "declined"
 
 
-def sim_decision(rec: TurnRecord) -> str:
-    if rec.decision == "pull":
-        return "pulled"
-    if rec.decision == "recompute":
-        return "declined" if rec.decision_reason in _PULL_REASONS else "recomputed"
-    if rec.turn == 0 or rec.miss_reason in ("", "bidirectional_off"):
-        return "none"
-    return "expired" if rec.miss_reason == "expired" else f"missed ({rec.miss_reason})"
+def real_decision(r: BenchRecord, settings: DeploymentSettings) -> str:
+    return classify(r.mode == "on", r.turn, r.reuse_offered_tokens, r.prefill_cached_tokens or 0,
+                    settings.kv_recompute_threshold)
+
+
+def sim_decision(rec: TurnRecord, settings: DeploymentSettings, bidirectional: bool) -> str:
+    offered = rec.offered_tokens if rec.store_hit else 0
+    pulled = rec.pulled_tokens if rec.decision == "pull" else 0
+    return classify(bidirectional, rec.turn, offered, pulled, settings.kv_recompute_threshold)
 
 
 def _tpot(total: float, ttft: float, outputs: int) -> float:
@@ -191,7 +193,7 @@ def compare(records: Sequence[BenchRecord], simulated: Sequence[TurnRecord],
             continue
         sim_pulled = s.pulled_tokens if s.decision == "pull" else 0
         out.append(TurnComparison(
-            r.conversation, r.turn, r.prompt_tokens, real_decision(r, settings), sim_decision(s),
+            r.conversation, r.turn, r.prompt_tokens, real_decision(r, settings), sim_decision(s, settings, r.mode == "on"),
             (r.prefill_cached_tokens or 0), sim_pulled, r.ttft_s, s.ttft_s,
             _tpot(r.total_s, r.ttft_s, r.output_tokens),
             _tpot(s.completion_s - s.arrival_s, s.ttft_s, s.output_tokens)))
