@@ -126,7 +126,7 @@ def describe_spec(spec: dict) -> str:
     rate = spec.get("arrival_rate_per_s")
     start = (f"arriving as a Poisson stream at {rate:g}/s (one every {1 / rate:g} s on average)" if rate
              else "all starting at 0 s")
-    return f"{what}, {n if n is not None else 'the generator default number of'} conversations {start}"
+    return f"{what}, {n} conversations {start}" if n is not None else f"{what}, conversations {start}"
 
 
 def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[str, Any]:
@@ -325,16 +325,32 @@ def json_summary(result: Any) -> dict[str, Any]:
     return summary
 
 
+TARGET_UTILISATION = 0.7  # what the suggested prefill count aims for: headroom for bursts
+
+
+def prefill_needed(summary: dict, records: Sequence[Any], num_prefill: int) -> int:
+    """Prefill instances that would carry the offered load at TARGET_UTILISATION: P's total busy time
+    (all of it is done by the end, however long the queue) over the span in which turns arrived."""
+    busy = sum(summary.get("prefill_utilisation", {}).values()) * summary.get("sim_time_s", 0.0)
+    arrivals = [x.arrival_s for x in records if not math.isnan(x.arrival_s)]
+    span = max(arrivals, default=0.0) - min(arrivals, default=0.0)
+    if span <= 0 or busy <= 0:
+        return num_prefill + 1
+    return max(num_prefill + 1, math.ceil(busy / span / TARGET_UTILISATION))
+
+
 def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
     """Say when TTFT is about capacity (a saturated P, queueing), not about KV reuse."""
     out = []
     for mode, r in results.items():
         s, done = r.summary, [x for x in r.records if not x.rejected]
+        more = prefill_needed(s, r.records, config.topology.num_prefill)
         busy = {name: u for name, u in s.get("prefill_utilisation", {}).items() if u >= UTILISATION_WARN}
         if busy:
             names = ", ".join(f"{n} {u:.0%}" for n, u in sorted(busy.items()))
             out.append(f"[{mode}] prefill utilisation {names}: TTFT here measures a saturated cluster, not KV reuse; "
-                       f"add prefill instances (--num-prefill {config.topology.num_prefill + 1}) or lower the load")
+                       f"add prefill instances (--num-prefill {more} keeps them about {TARGET_UTILISATION:.0%} busy) "
+                       "or lower the load")
         # first turns apart: a burst of new conversations can queue while the later turns look fine
         for which, group in (("all turns", done), ("first turns", [x for x in done if x.turn == 0]),
                              ("later turns", [x for x in done if x.turn > 0])):
@@ -345,8 +361,7 @@ def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
             if ttft > 0 and queue / ttft > QUEUE_SHARE_WARN:
                 out.append(f"[{mode}] {which}: queueing is {queue / ttft:.0%} of mean TTFT ({queue * 1e3:,.0f} of "
                            f"{ttft * 1e3:,.0f} ms), so TTFT here is mostly waiting, not prefill or reuse; add "
-                           f"prefill instances (--num-prefill {config.topology.num_prefill + 1}) or lower the "
-                           "arrival rate")
+                           f"prefill instances (--num-prefill {more} or more) or lower the arrival rate")
                 break
         if s.get("rejected"):
             out.append(f"[{mode}] {s['rejected']:,} turns did not complete (see records.csv 'rejected' with --out)")
