@@ -144,6 +144,13 @@ def test_queueing_and_saturation_are_called_out(tmp_path):
     payload = _strict_loads(result.stdout)
     assert payload["runs"]["on"]["prefill_utilisation"]["p0"] >= 0.95
     assert any("prefill utilisation p0" in w for w in payload["warnings"]) and "warning: [on] prefill" in result.stderr
+    # the suggested prefill count carries that load: with it, no instance is saturated and nothing queues long
+    import re
+
+    suggested = int(re.search(r"--num-prefill (\d+) keeps them", result.stderr).group(1))
+    assert suggested >= 2
+    calmer = _strict_loads(run_cli("simulate", "--trace", str(hot), "--json", "--num-prefill", str(suggested)).stdout)
+    assert max(calmer["runs"]["on"]["prefill_utilisation"].values()) < 0.95 and calmer["warnings"] == []
     quiet = _strict_loads(run_cli("simulate", "--json", "--conversations", "20").stdout)
     assert quiet["warnings"] == []
 
