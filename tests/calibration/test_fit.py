@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 
 import numpy as np
@@ -48,12 +49,29 @@ def test_joint_fit_recovers_the_efficiencies_of_consistent_figures():
     np.testing.assert_allclose(result.x, [TRUE_X[n] for n in TERM_NAMES], rtol=1e-4)
 
 
+def _same_fit(a, b, path="") -> list[str]:
+    """Where two fit outputs differ beyond float rounding (scipy/BLAS builds differ in the last digits)."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a.keys() ^ b.keys())}"]
+        return [d for k in a for d in _same_fit(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same_fit(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return [] if math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-18) else [f"{path}: {a!r} vs {b!r}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
 def test_shipped_profiles_are_the_current_fit():
     fresh = run(write=False)["profiles"]
     for d in MEASURED:
         shipped = LatencyProfile.load(d.profile_name)
-        assert shipped == fresh[d.model]
-    assert load_efficiencies("p5en") == run(write=False)["efficiencies"]
+        assert _same_fit(shipped, fresh[d.model]) == []
+    assert _same_fit(load_efficiencies("p5en"), run(write=False)["efficiencies"]) == []
 
 
 @pytest.mark.parametrize("name", [d.profile_name for d in MEASURED])
