@@ -79,9 +79,14 @@ def scrub_event(data: bytes) -> tuple[bytes, bytes] | None:
     except (ValueError, RecursionError):
         return None
     params = obj.pop(KV_KEY, None) if isinstance(obj, dict) else None
-    _strip(obj)
+    _, changed = _strip(obj)
     client = _encode(obj)
     if isinstance(params, dict) and params:
+        if not changed and b'"kv_transfer_params"' in data:
+            # D's params, spelt plainly, are all there is to hide: capture finds the key, decodes the
+            # payload itself and what it sends on is re-encoded from that, never these bytes. Saves
+            # encoding the params again (2,000 block ids: ~60 us)
+            return client, data
         obj[KV_KEY] = params
         return client, _encode(obj)
     return client, client

@@ -68,6 +68,8 @@ def leaky_payload(draw) -> bytes:
     value = draw(st.sampled_from([f'"{secret}"', f'{{"{inner_key}": "{secret}"}}', f'[[7, 8], "{secret}"]',
                                   f'{{"{inner_key}": [[1]], "x": "{secret}"}}']))
     base = {"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    if draw(st.booleans()):  # D's own params as well, spelt plainly (vLLM 0.33's final chunk)
+        base["kv_transfer_params"] = {"remote_block_ids": [[1, 2]], "remote_engine_id": "D", "remote_host": "h"}
     where = draw(st.sampled_from(["top", "choice", "delta", "list"]))
     slot = {"top": base, "choice": base["choices"][0], "delta": base["choices"][0]["delta"]}.get(where)
     if slot is None:
