@@ -93,11 +93,14 @@ class SSESplitter:
         start = 0
         if b"\r" not in buf:  # vLLM's framing: LF only, so a plain search finds every boundary
             find = buf.find
+            clean = not suspect(buf)  # one check for all this read holds: nothing in it can spell a location
             while (end := find(b"\n\n", start)) >= 0:
                 block = buf[start:end + 2]
                 if buf.startswith(b"data: ", start) and find(b"\n", start, end) < 0:
                     data = buf[start + 6:end]  # one "data: ..." line
-                    events.append(SSEEvent(block, data) if not suspect(data) else checked_event(block, data))
+                    events.append(SSEEvent(block, data) if clean or not suspect(data) else checked_event(block, data))
+                elif clean:
+                    events.append(SSEEvent(block, event_data(block)))
                 else:
                     events.append(checked_event(block, event_data(block)))
                 start = end + 2
