@@ -109,8 +109,11 @@ def _compacted(entry: ConversationEntry) -> ConversationEntry:
     """``entry`` with D's block ids packed (impl.policy.block_ids): ~40 bytes per id become a range
     or 4 bytes, and readers still get D's exact lists."""
     params = entry.kv_params
-    if type(params) is CompactParams or not isinstance(params.get(BLOCK_IDS), list):
+    blocks = params.get(BLOCK_IDS)
+    if type(params) is CompactParams or type(blocks) is not list:
         return entry
+    if sum(len(g) for g in blocks if type(g) is list) < 64:
+        return entry  # a short context: packing would save less than the ~7 us it costs on every turn
     return dataclasses.replace(entry, kv_params=CompactParams(params))
 
 
