@@ -49,6 +49,10 @@ def _flag(name: str) -> str:
 
 
 def _metavar(name: str, default: Any) -> str:
+    if name.endswith("_bytes_per_s"):
+        return "BYTES_PER_S"
+    if name.endswith("_per_s"):
+        return "RATE"
     if name.endswith("_s") or name.endswith("_ttl"):
         return "SECONDS"
     if "tokens" in name or "threshold" in name:

@@ -62,6 +62,15 @@ def test_every_flag_has_help_and_a_metavar_a_person_can_read():
                                                       and not action.choices else ""), f"{name}: metavar {shown or action.dest}"
 
 
+def test_metavars_say_the_unit():
+    parser = build_parser()
+    sim = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["simulate"]
+    metavars = {a.option_strings[0]: a.metavar for a in sim._actions if a.option_strings}
+    assert metavars["--nic-line-rate-bytes-per-s"] == "BYTES_PER_S"
+    assert metavars["--decoder-kv-blocks-ttl"] == metavars["--lease-s"] == "SECONDS"
+    assert metavars["--kv-recompute-threshold"] == "TOKENS" and metavars["--num-prefill"] == "N"
+
+
 @pytest.mark.parametrize("argv", [
     ["router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", "0"],
     ["bench", "--url", "http://127.0.0.1:9", "--mode", "on", "--conversations", "1"],
