@@ -254,20 +254,22 @@ class _Pipelined:
         self._waiting.append(future)
         self._outbox.append(args)
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush(conn))
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
         try:
             return await asyncio.wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
             self._drop(conn, redis.exceptions.TimeoutError("no reply from Redis within the store timeout"))
             raise redis.exceptions.TimeoutError(f"timeout: no reply from Redis within {self.timeout_s} s") from None
 
-    async def _flush(self, conn: Any) -> None:
-        try:
-            while self._outbox and conn is self._conn:
-                commands, self._outbox = self._outbox, []
+    async def _flush(self) -> None:
+        # always the current connection: commands queued after a reconnect go out on the new one
+        while self._outbox and self._conn is not None:
+            conn = self._conn
+            commands, self._outbox = self._outbox, []
+            try:
                 await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-        except Exception as e:  # noqa: BLE001 - whatever broke the write, every waiting call fails with it
-            self._drop(conn, e)
+            except Exception as e:  # noqa: BLE001 - whatever broke the write, every waiting call fails with it
+                self._drop(conn, e)
 
     async def _read(self, conn: Any) -> None:
         try:
@@ -305,9 +307,10 @@ class _Pipelined:
     async def close(self) -> None:
         if self._conn is not None:
             self._drop(self._conn, redis.exceptions.ConnectionError("closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._flusher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
 
 class RedisStore:
