@@ -433,3 +433,19 @@ async def test_a_mass_expiry_is_purged_over_several_calls_and_still_answered_exp
     await store.lookup("t", "zz", ItemsPrompt([1]), now=200.0)
     assert await store.size() == 0 and store.stats.purged == 250
     await store.close()
+
+
+async def test_the_pipelined_connection_gives_every_caller_its_own_reply(redis_server):
+    from impl.router.store_redis import _Pipelined
+
+    pipe = _Pipelined(redis_server.url, None, timeout_s=10.0)
+    try:
+        # many callers in one loop turn: one write, replies matched in order
+        replies = await asyncio.gather(*(pipe.call("ECHO", f"caller-{i}") for i in range(500)))
+        assert replies == [f"caller-{i}".encode() for i in range(500)]
+        # an error reply belongs to its caller only; the connection carries on
+        results = await asyncio.gather(pipe.call("ECHO", "a"), pipe.call("NOSUCHCOMMAND"), pipe.call("ECHO", "b"),
+                                       return_exceptions=True)
+        assert results[0] == b"a" and results[2] == b"b" and "unknown command" in str(results[1]).lower()
+    finally:
+        await pipe.close()
