@@ -36,9 +36,11 @@ any replica waits for it (at most ``notify_wait_s``), as the in-process recorder
 Faults: any Redis error (refused, reset, timeout after ``timeout_s``) raises
 :class:`~impl.router.stores.StoreUnavailable` -- the router serves the turn without reuse -- is
 logged once when the store goes away and once when it returns, and for ``retry_s`` afterwards calls
-fail at once instead of each paying a timeout. A restarted Redis has lost its scripts: the client
-reloads them (EVALSHA, then SCRIPT LOAD on NOSCRIPT). Not supported: Redis Cluster (the scripts
-touch keys they derive; every key of a store lives under one prefix on one server).
+fail at once instead of each paying a timeout. A restarted Redis has lost its scripts: they are loaded
+again on the first NOSCRIPT answer. A turn's scripts travel over one pipelined connection per replica
+(:class:`_Pipelined`); the rest (heartbeat reads and writes, pending marks) over redis-py's client. Not
+supported: Redis Cluster (the scripts touch keys they derive; every key of a store lives under one
+prefix on one server).
 """
 
 from __future__ import annotations
