@@ -178,8 +178,8 @@ MUTANTS = [
            "key = (tenant, turn.conversation_id) if turn.conversation_id is not None else None",
            "key = (\"\", turn.conversation_id) if turn.conversation_id is not None else None", ROUTER),
     Mutant("router-lookup-ignores-clock", "impl/router/proxy.py",
-           "found = self.store.lookup(tenant, key[1], turn.view, self.clock())",
-           "found = self.store.lookup(tenant, key[1], turn.view, 0.0)", ROUTER),
+           "found = await self.store.lookup(tenant, key[1], turn.view, self.clock())",
+           "found = await self.store.lookup(tenant, key[1], turn.view, 0.0)", ROUTER),
     Mutant("held-chat-without-answer", "impl/router/request.py",
            "items = list(self.view.items) + canonical_messages([{\"role\": \"assistant\", \"content\": answer}])",
            "items = list(self.view.items)", ROUTER),
@@ -191,6 +191,13 @@ MUTANTS = [
            ROUTER),
     Mutant("recorder-stores-incomplete-turns", "impl/router/recorder.py",
            "        if not capture.complete:\n", "        if False:\n", ROUTER),
+    Mutant("recorder-stores-unreconstructable", "impl/router/recorder.py",
+           "        elif capture.unreconstructable:\n", "        elif False:\n", ROUTER),
+    Mutant("recorder-stores-unusable-params", "impl/router/recorder.py",
+           "        if problem is not None:\n            self.metrics.turns_not_stored.inc(\"invalid_params\")",
+           "        if False:\n            self.metrics.turns_not_stored.inc(\"invalid_params\")", ROUTER),
+    Mutant("recorder-forwards-notify-secret", "impl/router/recorder.py",
+           "        params.pop(NOTIFY_KEY, None)\n", "", ROUTER),
 ]
 
 
