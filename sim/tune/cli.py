@@ -156,4 +156,9 @@ def run(args: argparse.Namespace) -> int:
         print(sensitivity_table(sensitivity, tuning.main, args.objective))
         print()
         print(recommendation_text(chosen, config.profile, topology))
+        if chosen is not None and chosen.candidate.policy.get("retention") == "lease":
+            # a lease's figures hold only for clients that heartbeat as assumed: say which
+            bound = " (they know the future: an upper bound, not a client you can deploy)" if stated == "until_next_turn" else ""
+            print(f"  clients: these figures assume {stated or 'the worse of never and while_open'} clients{bound} "
+                  "(sim/clients.py); see the sensitivity table for the others")
     return 0

@@ -131,3 +131,12 @@ def test_a_lease_that_ties_a_fixed_ttl_loses_the_tie():
     for order in ([lease, TTL], [TTL, lease]):
         _, chosen = analyse([*order, *REFERENCES], metrics, "ttft_p90", 100.0, 10.0, 1.0)
         assert chosen.candidate is TTL
+
+
+def test_a_recommended_lease_says_which_clients_its_figures_assume(capsys):
+    assert main(["tune", "--executor", "serial", "--conversations", "12", "--ttls", "", "--thresholds", "64",
+                 "--leases", "30", "--gap-quantiles", "", "--client-renewal", "until_next_turn"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: lease=30s thr=64" in out
+    assert "clients: these figures assume until_next_turn clients (they know the future" in out
+    assert "client renewal sensitivity" in out and "until_next_turn (bound)" in out
