@@ -66,7 +66,9 @@ class StoreMachine(RuleBasedStateMachine):
         # the purge's contract: after a call at ``now``, no entry whose usable end lies in an earlier
         # bucket is left (what keeps a flood of ids from holding memory until the LRU bound)
         bucket = self.store._bucket_s
-        stale = [k for k in self.ref if self.ref[k][1] < math.inf and math.floor((self.ref[k][1] - self.margin) / bucket) < math.floor(self.now / bucket)]
+        current = math.floor(self.now / bucket)
+        stale = [k for k, (_, expires_at, _) in self.ref.items()
+                 if expires_at < math.inf and math.floor((expires_at - self.margin) / bucket) < current]
         assert not stale, f"expired entries left behind by the purge: {stale}"
 
     def _time_to(self, t: float) -> None:
