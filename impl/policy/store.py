@@ -48,6 +48,12 @@ class ConversationEntry:
     stored_at: float = 0.0
 
 
+def guard_passes(entry: ConversationEntry, prompt: PromptView) -> bool:
+    """The store's continuation rule, one for every backend: an entry whose reader verifies token ids
+    itself (no digest) passes; otherwise the prompt must continue the held sequence."""
+    return entry.held_digest is None or continues(prompt, entry.held_len, entry.held_digest)
+
+
 @dataclass(frozen=True, slots=True)
 class Lookup:
     entry: ConversationEntry | None
@@ -161,7 +167,7 @@ class ConversationStore:
             return self._miss(self._gone.get(key, MissReason.UNKNOWN))
         if now >= self._usable_until(entry):
             return self._miss(MissReason.EXPIRED)
-        if entry.held_digest is not None and not continues(prompt, entry.held_len, entry.held_digest):
+        if not guard_passes(entry, prompt):
             return self._miss(MissReason.GUARD)
         self._entries.move_to_end(key)
         self.stats.hits += 1

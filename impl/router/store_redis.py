@@ -61,8 +61,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from impl.policy import ConversationEntry, Lookup, MissReason
-from impl.policy.continuation import PromptView, continues
-from impl.policy.store import StoreStats
+from impl.policy.continuation import PromptView
+from impl.policy.store import StoreStats, guard_passes
 from impl.router.stores import StoreUnavailable, Versioned
 
 log = logging.getLogger("bidikv.router")
@@ -435,7 +435,7 @@ class RedisStore:
         if reply[0] == b"hit":
             entry = self._decode(reply[4])
             # the guard of ConversationStore.lookup (no digest: the reader verifies token ids itself)
-            if entry.held_digest is not None and not continues(prompt, entry.held_len, entry.held_digest):
+            if not guard_passes(entry, prompt):
                 try:
                     await self._script(self._untouch, m, reply[5], reply[6])
                 except StoreUnavailable:
