@@ -4,21 +4,49 @@ Run: python benchmarks/sim_speed.py [--turns 10000 100000 1000000] [--topologies
 Each size runs in a fresh process so peak RSS is that run's own. Full KV accounting is always on
 (block pools, retention, pressure, store). The workload is the synthetic multi-turn generator with
 short gaps, open-loop arrivals scaled to the topology so every node stays busy.
+
+Columns: ``turns/s`` is simulated turns per wall second of the whole run (workload generation
+included); ``cpu turns/s`` the same per CPU second of the process (less sensitive to a shared host);
+``events/turn`` simpy events scheduled per simulated turn; ``bare ev/s`` how many events a bare simpy
+timeout loop runs per second in the same process just before, and ``bare ev/turn`` = bare ev/s divided
+by turns/s: what one simulated turn costs in bare-simpy events, a figure that survives a noisy host
+(its inverse is turns per bare event). The load average is printed with the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
 
 
+def bare_simpy_events_per_s(events: int = 200_000) -> float:
+    """Events per wall second of the cheapest simpy loop: 10 processes each yielding timeouts."""
+    import simpy
+
+    env = simpy.Environment()
+
+    def ticker(env: simpy.Environment):
+        while True:
+            yield env.timeout(1)
+
+    for _ in range(10):
+        env.process(ticker(env))
+    start = time.perf_counter()
+    env.run(until=events // 10)
+    wall = time.perf_counter() - start
+    return next(env._eid) / wall  # simpy numbers every scheduled event; this counts them
+
+
 def one(turns: int, nodes: int, seed: int) -> dict:
+    from sim.cluster import Cluster
     from sim.config import SimConfig
-    from sim.runner import run_config
+    from sim.workload import load_workload
+    from calibration.profile import LatencyProfile
 
     # ~8 requests per conversation (vLLM's 12-18 messages); arrivals spread so load scales with nodes
     conversations = max(1, turns // 8)
@@ -28,12 +56,20 @@ def one(turns: int, nodes: int, seed: int) -> dict:
     config.workload = {"kind": "synthetic", "num_conversations": conversations,
                        "arrival_rate_per_s": 0.25 * nodes, "inter_turn_gap_s": {"kind": "exponential", "mean": 30.0}}
     config.validate()
-    start = time.perf_counter()
-    result = run_config(config)
-    wall = time.perf_counter() - start
+    bare = bare_simpy_events_per_s()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    # what sim.runner.run_config does, with the cluster kept to read its event count
+    workload = load_workload(config.workload, config.seed)
+    cluster = Cluster(config, LatencyProfile.load(config.profile))
+    result = cluster.run(workload)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     simulated = result.summary["turns"]
+    events = next(cluster.env._eid)
     return {"turns": simulated, "topology": f"{nodes}P{nodes}D", "wall_s": round(wall, 2),
-            "turns_per_s": round(simulated / wall), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "turns_per_s": round(simulated / wall), "cpu_turns_per_s": round(simulated / cpu),
+            "events_per_turn": round(events / simulated, 1), "bare_events_per_s": round(bare),
+            "bare_events_per_turn": round(bare / (simulated / wall), 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "completed": result.summary["completed"]}
 
 
@@ -47,13 +83,18 @@ def main() -> None:
     if args.child:
         print(json.dumps(one(args.child[0], args.child[1], args.seed)))
         return
-    print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'peak RSS MB':>12}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
+          f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12}")
     for nodes in args.topologies:
         for turns in args.turns:
             out = subprocess.run([sys.executable, __file__, "--child", str(turns), str(nodes), "--seed", str(args.seed)],
                                  check=True, capture_output=True, text=True).stdout
             r = json.loads(out)
-            print(f"{r['topology']:>9} {r['turns']:>9} {r['wall_s']:>8} {r['turns_per_s']:>9} {r['peak_rss_mb']:>12}", flush=True)
+            print(f"{r['topology']:>9} {r['turns']:>9} {r['wall_s']:>8} {r['turns_per_s']:>9} {r['cpu_turns_per_s']:>12} "
+                  f"{r['events_per_turn']:>12} {r['bare_events_per_s']:>10} {r['bare_events_per_turn']:>13} "
+                  f"{r['peak_rss_mb']:>12}", flush=True)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ class Cluster:
                                           pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
                                           self.interconnect, self.router.on_decode_finish))
         self.router._decode_by_name.update({d.name: d for d in self.decode})
+        self.router._d_snaps = [None] * len(self.decode)
         self._conversations: dict[tuple[str, str], Conversation] = {}
         self._turn_index: dict[tuple[str, str], int] = {}
         if pol.retention == "oracle":

@@ -123,9 +123,12 @@ class DecodeNode:
 
     def _check(self) -> None:
         used = self.used_blocks
-        if used > self.capacity or min(self.running_blocks, self.arriving_blocks, self.reading_blocks, self.cached_blocks) < 0:
+        if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
+                or self.cached_blocks < 0):
             raise RuntimeError(f"{self.name}: block accounting broken (used {used} of {self.capacity})")
-        self.totals.peak_used_blocks = max(self.totals.peak_used_blocks, used)
+        totals = self.totals
+        if used > totals.peak_used_blocks:
+            totals.peak_used_blocks = used
 
     def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
         self._integrate_retained(now)
@@ -300,25 +303,24 @@ class DecodeNode:
                 context += s.context
                 if s.remaining < k:
                     k = s.remaining
-            growth = sum(-(-(s.context + k) // bs) - s.blocks for s in running)
+            # blocks each sequence holds after k more steps (one plain loop: this is the hottest line)
+            grown = [-(-(s.context + k) // bs) for s in running]
+            growth = sum(grown) - sum([s.blocks for s in running])
             if growth > self.free_blocks and not self._make_room(growth, now):
                 k = self._steps_that_fit(k, now)
                 if k == 0:
                     self._preempt_newest(now)
                     continue
-                growth = sum(-(-(s.context + k) // bs) - s.blocks for s in running)
+                grown = [-(-(s.context + k) // bs) for s in running]
+                growth = sum(grown) - sum([s.blocks for s in running])
             # reserve the segment's growth now, so admissions during the segment cannot take it
-            for s in running:
-                s.blocks = -(-(s.context + k) // bs)
+            for s, blocks in zip(running, grown):
+                s.blocks = blocks
             self.running_blocks += growth
             self._check()
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
-
-            def elapsed(j: int) -> float:
-                return j * step0 + slope * j * (j - 1) / 2
-
-            segment_s = elapsed(k)
+            segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _steps_within counts it
             # one wake event serves both ends of the wait: the segment's timer or a joining sequence
             wake = self._wake = env.event()
             timer = env.timeout(segment_s)
@@ -329,17 +331,23 @@ class DecodeNode:
                 # a sequence is waiting to join: run to the end of the step in progress
                 j = self._steps_within(env.now - now, step0, slope, k)
                 j = min(j + 1, k)
-                rest = elapsed(j) - (env.now - now)
+                rest = (j * step0 + slope * j * (j - 1) / 2) - (env.now - now)
                 if rest > 0:
                     yield env.timeout(rest)
                 k = j
+            freed = 0
+            finished = False
             for s in self.running:
                 s.context += k
                 s.remaining -= k
                 new_blocks = -(-s.context // bs)
-                self.running_blocks += new_blocks - s.blocks
+                freed += s.blocks - new_blocks
                 s.blocks = new_blocks
-            self._finish_done(env.now)
+                if s.remaining <= 0:
+                    finished = True
+            self.running_blocks -= freed
+            if finished:
+                self._finish_done(env.now)
 
     @staticmethod
     def _steps_within(t: float, step0: float, slope: float, k: int) -> int:

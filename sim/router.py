@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Generator
 import simpy
 
 from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, PlacementRequest
+from impl.policy.placement import LeastLoaded
 
 if TYPE_CHECKING:
     from sim.workload.model import Lineage
@@ -48,6 +49,7 @@ class Router:
         self.prefill = prefill
         self.decode = decode
         self._decode_by_name = {d.name: d for d in decode}
+        self._prefill_by_name = {p.name: p for p in prefill}
         self.store = store
         self.p_placement, self.d_placement = p_placement, d_placement
         self.rng = rng
@@ -55,6 +57,11 @@ class Router:
         self.prefix_caching = prefix_caching
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
         self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
+        self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
+        self._d_snaps: list[InstanceLoad | None] = []  # sized once the cluster has added its decode nodes
+        # LeastLoaded's rule evaluated on the nodes directly (see _argmin_first_tie_random)
+        self._p_least_loaded = type(p_placement) is LeastLoaded
+        self._d_least_loaded = type(d_placement) is LeastLoaded
 
     def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int,
                lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
@@ -78,22 +85,48 @@ class Router:
                 rec.miss_reason = found.miss.value
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
-        cached = {}
-        if self.prefix_caching and key in self._last_prefill:
-            cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
-        p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
-        p_loads = [InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens) for p in self.prefill]
-        p_name = self.p_placement.pick(p_loads, p_req, self.rng)
-        p_node = next(p for p in self.prefill if p.name == p_name)
+        if self._p_least_loaded:  # needs no request
+            p_name = _argmin_first_tie_random(self.prefill, [p.queued_tokens for p in self.prefill], self.rng)
+        else:
+            cached = {}
+            if self.prefix_caching and key in self._last_prefill:
+                cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
+            p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
+            p_name = self.p_placement.pick(self._p_loads(), p_req, self.rng)
+        p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
         yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage)
         self._last_prefill[key] = (p_name, n)
-        d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
-        d_loads = [InstanceLoad(d.name, running_requests=len(d.running), used_blocks=d.running_blocks + d.arriving_blocks,
-                                retained_blocks=d.retained.blocks, total_blocks=d.capacity) for d in self.decode]
-        d_name = self.d_placement.pick(d_loads, d_req, self.rng)
+        if self._d_least_loaded:
+            d_name = _argmin_first_tie_random(
+                self.decode, [((d.running_blocks + d.arriving_blocks) / d.capacity, len(d.running)) for d in self.decode],
+                self.rng)
+        else:
+            d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
+            d_name = self.d_placement.pick(self._d_loads(), d_req, self.rng)
         rec.decode_instance = d_name
         yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage)
+
+    # -- load snapshots for placement --------------------------------------------------------------
+    # Building a frozen InstanceLoad per node per turn was most of a 64P64D run, so a node's snapshot
+    # is rebuilt only when what it reports changed (equal values: the policy sees the same loads).
+    def _p_loads(self) -> list[InstanceLoad]:
+        snaps = self._p_snaps
+        for i, p in enumerate(self.prefill):
+            if snaps[i] is None or snaps[i].queued_prefill_tokens != p.queued_tokens:
+                snaps[i] = InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens)
+        return snaps
+
+    def _d_loads(self) -> list[InstanceLoad]:
+        snaps = self._d_snaps
+        for i, d in enumerate(self.decode):
+            old = snaps[i]
+            running, used, retained = len(d.running), d.running_blocks + d.arriving_blocks, d.retained.blocks
+            if (old is None or old.running_requests != running or old.used_blocks != used
+                    or old.retained_blocks != retained or old.total_blocks != d.capacity):
+                snaps[i] = InstanceLoad(d.name, running_requests=running, used_blocks=used, retained_blocks=retained,
+                                        total_blocks=d.capacity)
+        return snaps
 
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
@@ -121,3 +154,21 @@ class Router:
 def _with_expiry(entry: ConversationEntry, expires_at: float) -> ConversationEntry:
     return ConversationEntry(entry.decode_instance, entry.kv_params, expires_at, entry.num_tokens, entry.held_len,
                              entry.held_digest, entry.stored_at)
+
+
+def _argmin_first_tie_random(nodes: list[Any], costs: list[Any], rng: random.Random) -> str:
+    """impl.policy.placement.LeastLoaded's choice, from costs computed on the nodes themselves.
+
+    LeastLoaded ranks ``(queued_prefill_tokens, used_blocks / total_blocks, running_requests)``. A P
+    snapshot reports only its queue (used 0 of 1 block, no running requests), so its cost is the queue;
+    a D snapshot reports no queue, so its cost is ``(used / total, running)``: the same order and the
+    same ties as the full tuple. Ties go to ``rng`` exactly like ``_argmin`` (one draw only when tied;
+    every simulated node is healthy).
+    """
+    best = min(costs)
+    first = costs.index(best)
+    tied = costs.count(best)
+    if tied == 1:
+        return nodes[first].name
+    ties = [i for i in range(first, len(costs)) if costs[i] == best]
+    return nodes[ties[rng.randrange(tied)]].name
