@@ -83,8 +83,8 @@ def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, st
     return TurnResult(text, ttft, time.monotonic() - t0, params, headers=headers)
 
 
-def complete_ids(base_url: str, prompt: list[int], max_tokens: int, timeout: float = 180.0, **extra: Any) -> TurnResult:
-    """One non-streamed ``/v1/completions`` turn on token ids; the answer's ids come back (``return_token_ids``)."""
+def complete_ids(base_url: str, prompt: list[int] | str, max_tokens: int, timeout: float = 180.0, **extra: Any) -> TurnResult:
+    """One non-streamed ``/v1/completions`` turn (token ids or a string); the ids come back (``return_token_ids``)."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "logit_bias": NO_EOS_BIAS, "stream": False, "return_token_ids": True, **extra}
     t0 = time.monotonic()

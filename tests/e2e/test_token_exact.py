@@ -207,3 +207,32 @@ def test_several_choices_are_served_but_never_offered(e2e: E2E):
     chat(e2e.router, messages, max_tokens=8, conversation_id=cid)
     d = e2e.settled_delta(before)
     assert d["router"]["hits"] == 0 and d["p"]["external_tokens"] == 0, d
+
+
+def test_text_completions_pull_what_verifies_and_echo_is_never_offered(e2e: E2E):
+    """``/v1/completions`` with string prompts: the client resends prompt + answer text, which the tokenizer
+    splits its own way. P pulls exactly what verifies; an ``echo`` turn is served and never offered."""
+    from tests.e2e.client import complete_ids
+
+    cid = f"text-{uuid.uuid4().hex}"
+    prompt = f"[{cid}] " + QUESTIONS[0]
+    held = held_prompt_len = None
+    for turn in (1, 2, 3):
+        ref = complete_ids(e2e.reference, prompt, ANSWER)
+        before = e2e.counters()
+        got = complete_ids(e2e.router, prompt, ANSWER, conversation_id=cid)
+        d = e2e.settled_delta(before)
+        assert got.text == ref.text, f"turn {turn}: text differs from the reference"
+        if turn > 1:
+            report = _report_from_headers(got.headers or {})
+            assert report is not None, f"turn {turn} was not offered: {got.headers}"
+            verified = expected_verified(held, held_prompt_len, list(ref.prompt_token_ids))
+            assert report["verified"] == verified and d["p"]["external_tokens"] == report["pulled"] <= verified, (
+                turn, report, verified, d)
+        held = list(ref.prompt_token_ids) + list(ref.token_ids)[:-1]
+        held_prompt_len = len(ref.prompt_token_ids)
+        prompt = prompt + ref.text + " " + QUESTIONS[turn % len(QUESTIONS)]
+    complete_ids(e2e.router, prompt, 8, conversation_id=cid, echo=True)
+    after_echo = complete_ids(e2e.router, prompt + " more", 8, conversation_id=cid)
+    # the echo turn was not stored: what is offered next is still turn 3's entry (D's tokens then)
+    assert int(after_echo.headers["X-Bidikv-Reuse-Offered-Tokens"]) == len(held), after_echo.headers
