@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import simpy
 
 from impl.policy import RetainedPool
+from sim.instant import succeed_now
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
 
@@ -324,7 +325,7 @@ class DecodeNode:
             # one wake event serves both ends of the wait: the segment's timer or a joining sequence
             wake = self._wake = env.event()
             timer = env.timeout(segment_s)
-            timer.callbacks.append(lambda _e, w=wake: None if w.triggered else w.succeed())
+            timer.callbacks.append(lambda _e, w=wake: None if w.triggered else succeed_now(env, w))
             yield wake
             self._wake = None
             if env.now - now < segment_s:

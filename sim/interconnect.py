@@ -15,6 +15,8 @@ from typing import Generator
 
 import simpy
 
+from sim.instant import succeed_now
+
 
 class _Flow:
     __slots__ = ("src", "dst", "remaining", "rate", "done")
@@ -82,5 +84,16 @@ class Interconnect:
             self._flows.remove(flow)
             self._per_nic[flow.src] -= 1
             self._per_nic[flow.dst] -= 1
+        if len(finished) == 1:
+            self._reschedule()
+            if self.env.peek() > self.env.now:
+                succeed_now(self.env, finished[0].done)  # this timer's last action: nothing else is due now
+                return
+            # something is due now (maybe the timer just set): queue the done event before a new timer,
+            # as always; the timer just set is superseded (a no-op when it fires)
+            finished[0].done.succeed()
+            self._reschedule()
+            return
+        for flow in finished:
             flow.done.succeed()
         self._reschedule()

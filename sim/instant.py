@@ -1,0 +1,24 @@
+"""Trigger an event and, when nothing else is due at this instant, process it on the spot.
+
+``event.succeed()`` queues the event; simpy processes it after everything already due at this time.
+When nothing else is due now (``env.peek() > env.now``) the queue would process it next anyway, so
+running its callbacks right away is the same order of everything, minus one heap round trip (a few
+per simulated turn). Only safe as the last thing an event *callback* does (a timer's): from process
+code the resumed process would run inside the caller's generator, before the caller's next yield.
+"""
+
+from __future__ import annotations
+
+import simpy
+
+
+def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
+    if env.peek() > env.now:
+        # what simpy's succeed() + step() do for this event, without the queue
+        event._ok = True
+        event._value = None
+        callbacks, event.callbacks = event.callbacks, None
+        for callback in callbacks:
+            callback(event)
+    else:
+        event.succeed()
