@@ -98,7 +98,8 @@ class Cluster:
         lineage = Lineage(conv.turns)  # what each prompt shares with what earlier turns left on P and D
         for index, turn in enumerate(conv.turns):
             if index:
-                yield from self._heartbeats(key, renew_until, release, lease)
+                if lease is not None:
+                    yield from self._heartbeats(key, renew_until, release, lease)
                 if release > env.now:
                     yield env.timeout(release - env.now)
             self._conversations[key] = conv

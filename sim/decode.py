@@ -285,6 +285,7 @@ class DecodeNode:
                 yield self._wake
                 self._wake = None
             now = env.now
+            joined_done = False  # only a sequence joining now can be done here: the rest ran a step since
             while self._joining and len(self.running) < self.max_num_seqs:
                 seq = self._joining.popleft()
                 self.arriving_blocks -= seq.blocks
@@ -293,7 +294,10 @@ class DecodeNode:
                 rec = seq.rec
                 rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
                 self.running.append(seq)
-            self._finish_done(now)
+                if seq.remaining <= 0:
+                    joined_done = True
+            if joined_done:
+                self._finish_done(now)
             if not self.running:
                 continue
             running = self.running

@@ -12,13 +12,18 @@ from __future__ import annotations
 import simpy
 
 
+def process_now(event: simpy.Event) -> None:
+    """What simpy's ``succeed()`` followed by the ``step()`` that pops it do, without the queue.
+    The caller has checked that the queue would have processed ``event`` next."""
+    event._ok = True
+    event._value = None
+    callbacks, event.callbacks = event.callbacks, None
+    for callback in callbacks:
+        callback(event)
+
+
 def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
     if env.peek() > env.now:
-        # what simpy's succeed() + step() do for this event, without the queue
-        event._ok = True
-        event._value = None
-        callbacks, event.callbacks = event.callbacks, None
-        for callback in callbacks:
-            callback(event)
+        process_now(event)
     else:
         event.succeed()

@@ -19,6 +19,7 @@ import simpy
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
+from sim.instant import process_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class PrefillNode:
         self._wake: simpy.Event | None = None
         self.queued_tokens = 0
         self.busy_s = 0.0
-        env.process(self._batch_loop())
+        self._idle()
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
@@ -169,37 +170,56 @@ class PrefillNode:
             self.cache.insert(conv_key, revision, n, shared_prefix_tokens, rec.turn)
 
     # -- the engine loop ----------------------------------------------------------------------
-    def _batch_loop(self) -> Generator[simpy.Event, Any, None]:
+    # Callbacks rather than a process: a step is formed when the loop wakes or the previous step ends,
+    # in the same order of events a process loop had, without a process resume per step.
+    def _idle(self) -> None:
+        self._wake = self.env.event()
+        self._wake.callbacks.append(self._on_wake)
+
+    def _on_wake(self, _event: simpy.Event) -> None:
+        self._wake = None
+        self._start_step()
+
+    def _start_step(self) -> None:
         env, queue = self.env, self._queue
-        while True:
-            if not queue:
-                self._wake = env.event()
-                yield self._wake
-                self._wake = None
-            budget = self.budget
-            chunks: list[tuple[int, int]] = []
-            scheduled: list[tuple[_Job, int]] = []
-            hidden = 0.0
-            for job in queue:
-                if budget <= 0:
-                    break
-                take = min(job.remaining, budget)
-                if job.started_at < 0:
-                    job.started_at = env.now
-                    hidden = max(hidden, job.fixed_done_s)
-                chunks.append((take, job.context))
-                scheduled.append((job, take))
-                budget -= take
-            step_s = self.profile.prefill_step_s(chunks) - hidden
-            yield env.timeout(step_s)
-            self.busy_s += step_s
-            for job, take in scheduled:
-                job.remaining -= take
-                job.context += take
-                self.queued_tokens -= take
-            while queue and queue[0].remaining <= 0:
-                queue.popleft().done.succeed()
-            if any(job.remaining <= 0 for job in queue):  # a short job behind a long one finished too
-                for job in [j for j in queue if j.remaining <= 0]:
-                    queue.remove(job)
-                    job.done.succeed()
+        budget = self.budget
+        chunks: list[tuple[int, int]] = []
+        scheduled: list[tuple[_Job, int]] = []
+        hidden = 0.0
+        for job in queue:
+            if budget <= 0:
+                break
+            take = min(job.remaining, budget)
+            if job.started_at < 0:
+                job.started_at = env.now
+                hidden = max(hidden, job.fixed_done_s)
+            chunks.append((take, job.context))
+            scheduled.append((job, take))
+            budget -= take
+        step_s = self.profile.prefill_step_s(chunks) - hidden
+        timer = env.timeout(step_s)
+        timer.callbacks.append(lambda _event: self._end_step(step_s, scheduled))
+
+    def _end_step(self, step_s: float, scheduled: list[tuple["_Job", int]]) -> None:
+        env, queue = self.env, self._queue
+        self.busy_s += step_s
+        for job, take in scheduled:
+            job.remaining -= take
+            job.context += take
+            self.queued_tokens -= take
+        finished = []
+        while queue and queue[0].remaining <= 0:
+            finished.append(queue.popleft())
+        if any(job.remaining <= 0 for job in queue):  # a short job behind a long one finished too
+            for job in [j for j in queue if j.remaining <= 0]:
+                queue.remove(job)
+                finished.append(job)
+        if len(finished) == 1 and env.peek() > env.now:
+            # nothing else is due now, so the one finished turn's done event, queued before the next
+            # step's timer (at or after now), would be processed next: form the step, then process it
+            self._start_step() if queue else self._idle()
+            process_now(finished[0].done)
+            return
+        for job in finished:
+            job.done.succeed()
+        self._start_step() if queue else self._idle()
