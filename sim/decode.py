@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import simpy
 
 from impl.policy import RetainedPool
-from sim.instant import succeed_now
+from sim.instant import process_now, succeed_now
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
 
@@ -83,7 +83,7 @@ class DecodeNode:
         self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
         self._wake: simpy.Event | None = None
         self._retained_clock = 0.0
-        env.process(self._decode_loop())
+        self._run()
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -276,14 +276,17 @@ class DecodeNode:
         return usable, min(self._blocks_for(usable), blocks)
 
     # -- the engine loop -------------------------------------------------------------------------
-    def _decode_loop(self) -> Generator[simpy.Event, Any, None]:
+    # Callbacks rather than a process: the loop is woken by a joining sequence or a segment's timer and
+    # forms the next segment in the same order of events a process loop had, without a process resume.
+    def _run(self) -> None:
+        """Start the next segment, or wait idle for a sequence to join."""
         env, profile = self.env, self.profile
         bs = profile.block_size
         while True:
             if not self.running and not self._joining:
                 self._wake = env.event()
-                yield self._wake
-                self._wake = None
+                self._wake.callbacks.append(self._on_idle_wake)
+                return
             now = env.now
             joined_done = False  # only a sequence joining now can be done here: the rest ran a step since
             while self._joining and len(self.running) < self.max_num_seqs:
@@ -308,7 +311,7 @@ class DecodeNode:
                 context += s.context
                 if s.remaining < k:
                     k = s.remaining
-            # blocks each sequence holds after k more steps (one plain loop: this is the hottest line)
+            # blocks each sequence holds after k more steps
             grown = [-(-(s.context + k) // bs) for s in running]
             growth = sum(grown) - sum([s.blocks for s in running])
             if growth > self.free_blocks and not self._make_room(growth, now):
@@ -330,29 +333,45 @@ class DecodeNode:
             wake = self._wake = env.event()
             timer = env.timeout(segment_s)
             timer.callbacks.append(lambda _e, w=wake: None if w.triggered else succeed_now(env, w))
-            yield wake
-            self._wake = None
-            if env.now - now < segment_s:
-                # a sequence is waiting to join: run to the end of the step in progress
-                j = self._steps_within(env.now - now, step0, slope, k)
-                j = min(j + 1, k)
-                rest = (j * step0 + slope * j * (j - 1) / 2) - (env.now - now)
-                if rest > 0:
-                    yield env.timeout(rest)
-                k = j
-            freed = 0
-            finished = False
-            for s in self.running:
-                s.context += k
-                s.remaining -= k
-                new_blocks = -(-s.context // bs)
-                freed += s.blocks - new_blocks
-                s.blocks = new_blocks
-                if s.remaining <= 0:
-                    finished = True
-            self.running_blocks -= freed
-            if finished:
-                self._finish_done(env.now)
+            wake.callbacks.append(lambda _e: self._on_segment_wake(now, segment_s, k, step0, slope))
+            return
+
+    def _on_idle_wake(self, _event: simpy.Event) -> None:
+        self._wake = None
+        self._run()
+
+    def _on_segment_wake(self, start: float, segment_s: float, k: int, step0: float, slope: float) -> None:
+        env = self.env
+        self._wake = None
+        if env.now - start < segment_s:
+            # a sequence is waiting to join: run to the end of the step in progress
+            j = self._steps_within(env.now - start, step0, slope, k)
+            j = min(j + 1, k)
+            rest = (j * step0 + slope * j * (j - 1) / 2) - (env.now - start)
+            if rest > 0:
+                env.timeout(rest).callbacks.append(lambda _e: self._end_segment(j))
+                return
+            k = j
+        self._end_segment(k)
+
+    def _end_segment(self, k: int) -> None:
+        """The running batch took ``k`` steps. Called last in an event's callbacks (see sim.instant)."""
+        bs = self.profile.block_size
+        freed = 0
+        finished = False
+        for s in self.running:
+            s.context += k
+            s.remaining -= k
+            new_blocks = -(-s.context // bs)
+            freed += s.blocks - new_blocks
+            s.blocks = new_blocks
+            if s.remaining <= 0:
+                finished = True
+        self.running_blocks -= freed
+        deferred = self._finish_done(self.env.now, defer=True) if finished else None
+        self._run()
+        if deferred is not None:
+            process_now(deferred)
 
     @staticmethod
     def _steps_within(t: float, step0: float, slope: float, k: int) -> int:
@@ -411,11 +430,15 @@ class DecodeNode:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
-    def _finish_done(self, now: float) -> None:
+    def _finish_done(self, now: float, defer: bool = False) -> simpy.Event | None:
+        """Finish every sequence that is done. With ``defer``, a single finished sequence whose done
+        event would be the next one processed (nothing else due now) is returned instead of queued:
+        the caller processes it after everything it still does at this instant (sim.instant)."""
         finished = [s for s in self.running if s.remaining <= 0]
         if not finished:
-            return
+            return None
         self.running = [s for s in self.running if s.remaining > 0]
+        deferred = None
         self._advance_retention(now)
         for seq in finished:
             self.running_blocks -= seq.blocks
@@ -432,5 +455,9 @@ class DecodeNode:
             else:
                 self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             self.on_finish(self, seq, expires_at)
-            seq.done.succeed()
+            if defer and len(finished) == 1 and self.env.peek() > now:
+                deferred = seq.done
+            else:
+                seq.done.succeed()
         self._released()
+        return deferred
