@@ -237,16 +237,24 @@ class DecodeNode:
         rec.d_queue_s = env.now - arrived_at
         self._check()
         rec.p2d_tokens = n - hit_tokens
-        if rec.p2d_tokens > 0:
-            fixed = profile.handoff_fixed_s(profile.blocks_for(rec.p2d_tokens))
-            rec.p2d_transfer_s = yield from (
-                self.interconnect.transfer(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed))
-        done = env.event()
+        done = env.event()  # the turn's end (an event has no place in the queue until triggered)
         seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, done)
+        if rec.p2d_tokens > 0:
+            # the KV arrives, then the sequence joins: from the transfer's own event, no resume between
+            def arrived(elapsed: float) -> None:
+                rec.p2d_transfer_s = elapsed
+                self._join(seq)
+
+            fixed = profile.handoff_fixed_s(profile.blocks_for(rec.p2d_tokens))
+            self.interconnect.start(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed, arrived)
+        else:
+            self._join(seq)
+        yield done
+
+    def _join(self, seq: _Seq) -> None:
         self._joining.append(seq)
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
-        yield done
 
     def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
                     turn: int = 0) -> tuple[int, int]:

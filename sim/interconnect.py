@@ -11,7 +11,7 @@ is per transfer, not per byte.
 from __future__ import annotations
 
 import collections
-from typing import Generator
+from typing import Callable, Generator
 
 import simpy
 
@@ -40,19 +40,48 @@ class Interconnect:
     def transfer(self, src: str, dst: str, nbytes: float, fixed_s: float) -> Generator[simpy.Event, None, float]:
         """simpy process body: move ``nbytes`` from ``src`` to ``dst``; returns the elapsed seconds."""
         start = self.env.now
-        if fixed_s > 0:
-            yield self.env.timeout(fixed_s)
         if nbytes > 0:
+            # the flow starts from the fixed part's timer callback: the caller resumes once, when it ends
             done = self.env.event()
-            self._advance()
-            self._flows.append(_Flow(src, dst, float(nbytes), done))
-            self._per_nic[src] += 1
-            self._per_nic[dst] += 1
-            self._reschedule()
+            if fixed_s > 0:
+                self.env.timeout(fixed_s).callbacks.append(lambda _event: self._start_flow(src, dst, nbytes, done))
+            else:
+                self._start_flow(src, dst, nbytes, done)
             yield done
+        elif fixed_s > 0:
+            yield self.env.timeout(fixed_s)
         self.bytes_moved += nbytes
         self.transfers += 1
         return self.env.now - start
+
+    def start(self, src: str, dst: str, nbytes: float, fixed_s: float, on_done: Callable[[float], None]) -> None:
+        """Callback form of :meth:`transfer`: ``on_done(elapsed seconds)`` runs from the event that ends
+        the transfer, where :meth:`transfer`'s caller would resume (no process needed)."""
+        start = self.env.now
+
+        def finish(_event: object = None) -> None:
+            self.bytes_moved += nbytes
+            self.transfers += 1
+            on_done(self.env.now - start)
+
+        if nbytes > 0:
+            done = self.env.event()
+            done.callbacks.append(finish)
+            if fixed_s > 0:
+                self.env.timeout(fixed_s).callbacks.append(lambda _event: self._start_flow(src, dst, nbytes, done))
+            else:
+                self._start_flow(src, dst, nbytes, done)
+        elif fixed_s > 0:
+            self.env.timeout(fixed_s).callbacks.append(finish)
+        else:
+            finish()
+
+    def _start_flow(self, src: str, dst: str, nbytes: float, done: simpy.Event) -> None:
+        self._advance()
+        self._flows.append(_Flow(src, dst, float(nbytes), done))
+        self._per_nic[src] += 1
+        self._per_nic[dst] += 1
+        self._reschedule()
 
     def _advance(self) -> None:
         elapsed = self.env.now - self._last_update

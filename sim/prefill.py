@@ -120,6 +120,7 @@ class PrefillNode:
                      if self.cache else 0)
         rec.p_local_hit_tokens = local_hit
         reused = 0
+        done = self.env.event()  # the prefill's end (an event has no place in the queue until triggered)
         if remote is not None:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
@@ -140,34 +141,58 @@ class PrefillNode:
                     reused = rec.pulled_tokens = decision.tokens
                     nbytes = profile.transfer_bytes(reused)
                     fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
-                    rec.d2p_transfer_s = yield from (
-                        self.interconnect.transfer(d_node.name, self.name, nbytes, fixed))
-                    d_node.end_read(conv_key, self.env.now)
-                    rec.reuse_overhead_s = profile.reuse_overhead_s(reused)
-                    if rec.reuse_overhead_s > 0:
-                        yield self.env.timeout(rec.reuse_overhead_s)
+                    # pull, end the read, pay the reuse overhead, queue: callbacks, one resume (at done)
+                    job: _Job | None = None
+
+                    def pulled(elapsed: float, d_node: "DecodeNode" = d_node, reused: int = reused) -> None:
+                        rec.d2p_transfer_s = elapsed
+                        d_node.end_read(conv_key, self.env.now)
+                        rec.reuse_overhead_s = profile.reuse_overhead_s(reused)
+                        if rec.reuse_overhead_s > 0:
+                            self.env.timeout(rec.reuse_overhead_s).callbacks.append(lambda _event: enqueue())
+                        else:
+                            enqueue()
+
+                    def enqueue() -> None:
+                        nonlocal job
+                        job = self._enqueue(rec, local_hit, reused, done)
+
+                    self.interconnect.start(d_node.name, self.name, nbytes, fixed, pulled)
+                    yield done
+                    self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
+                    return
             else:
                 # below the threshold only because the prompt diverges from what D holds: say so
                 diverged = rec.verified_tokens < rec.offered_tokens
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else decision.reason.value
         else:
             rec.decision = "none"
+        job = self._enqueue(rec, local_hit, reused, done)
+        yield done
+        self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
+
+    def _enqueue(self, rec: "TurnRecord", local_hit: int, reused: int, done: simpy.Event) -> _Job:
+        """Queue the part of the prompt left to compute."""
+        n = rec.prompt_tokens
         if n - local_hit - reused < 1:  # vLLM always computes the last prompt token (it needs its logits)
             reused = max(n - 1 - local_hit, 0)
         context = local_hit + reused
         new_tokens = n - context
         rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
-        done = self.env.event()
         job = _Job(new_tokens, context, done, self.env.now, self.profile.pull_hidden_s() if reused else 0.0)
         self._queue.append(job)
         self.queued_tokens += new_tokens
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
-        yield done
+        return job
+
+    def _finished(self, rec: "TurnRecord", job: "_Job | None", conv_key: Any, revision: int,
+                  shared_prefix_tokens: int) -> None:
+        assert job is not None
         rec.p_queue_s = job.started_at - job.enqueued_at
         rec.prefill_compute_s = self.env.now - job.started_at
         if self.cache is not None:
-            self.cache.insert(conv_key, revision, n, shared_prefix_tokens, rec.turn)
+            self.cache.insert(conv_key, revision, rec.prompt_tokens, shared_prefix_tokens, rec.turn)
 
     # -- the engine loop ----------------------------------------------------------------------
     # Callbacks rather than a process: a step is formed when the loop wakes or the previous step ends,
