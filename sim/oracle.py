@@ -1,4 +1,4 @@
-"""The clairvoyant bound the tuner measures every configuration against.
+"""The clairvoyant reference the tuner measures every configuration against: a reference, not a bound.
 
 It is not a deployable policy (it reads the future), so it lives in the simulator, not in
 impl/policy. It retains a finished turn's blocks exactly until the conversation's next turn arrives
@@ -6,6 +6,23 @@ impl/policy. It retains a finished turn's blocks exactly until the conversation'
 (the conversation ended, or the client rewrites its history). Paired with
 ``BreakEvenThreshold(profile)``, whose costs are the simulator's own, it decides pull-vs-recompute
 with perfect costs.
+
+What it optimises, exactly: each retention is the shortest hold that still lets the next continuing
+turn pull (no retained block-second is spent on a turn nobody continues), and each pull decision
+minimises that turn's own prefill time. That is all. It is therefore not an upper bound on what the
+tuner reports as "% of the oracle's saving":
+
+* compute saved (prompt tokens not recomputed): break-even declines pulls that save tokens but not
+  time (short prefixes, a busy NIC), which a fixed threshold (e.g. 0) takes;
+* holds beyond the next arrival are never counted: a longer hold (a lease or TTL tail) leaves blocks
+  on D that a later turn can still use (D's local hit, a turn that does not continue the history
+  but shares its prefix), which the oracle has freed;
+* under memory pressure, holding through a long gap can push out other conversations' blocks that a
+  shorter hold would have kept; and TTFT depends on queueing, which no per-turn choice bounds.
+
+So a configuration can reach more than 100 % of the oracle's saving (the README's 101.4 % for a lease
+renewed until the next turn is one); read the percentage as "relative to perfect-foresight retention
+with time-optimal pulls", not as a fraction of the best achievable.
 """
 
 from __future__ import annotations

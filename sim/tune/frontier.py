@@ -2,7 +2,9 @@
 
 Savings are relative to bidirectional OFF: compute saving = prompt tokens recomputed with OFF minus
 with the configuration; TTFT saving = mean TTFT with OFF minus with the configuration. Each is then
-expressed as a percentage of the oracle's saving.
+expressed as a percentage of the oracle's saving. The oracle (sim/oracle.py) is clairvoyant retention with
+time-optimal pulls, a reference and not an upper bound: more than 100 % means a configuration saved more
+than it on that metric (sim/oracle.py says exactly what it optimises and why it can be beaten).
 """
 
 from __future__ import annotations

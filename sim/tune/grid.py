@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 # Finite only: vLLM's decoder_kv_blocks_ttl (and our connector and router) take a number of seconds,
-# so a recommendation must be one; the oracle bounds what any retention can do.
+# so a recommendation must be one; the oracle (clairvoyant retention, time-optimal pulls) is the reference,
+# not a bound (sim/oracle.py).
 DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 3600.0)
 DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
 DEFAULT_LEASES_S = (30.0, 120.0)
