@@ -10,7 +10,8 @@ included); ``cpu turns/s`` the same per CPU second of the process (less sensitiv
 ``events/turn`` simpy events scheduled per simulated turn; ``bare ev/s`` how many events a bare simpy
 timeout loop runs per second in the same process just before, and ``bare ev/turn`` = bare ev/s divided
 by turns/s: what one simulated turn costs in bare-simpy events, a figure that survives a noisy host
-(its inverse is turns per bare event). The load average is printed with the table.
+(its inverse is turns per bare event). ``KB/turn``: peak RSS the run added (workload, records, live
+state) per simulated turn. The load average is printed with the table.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def one(turns: int, nodes: int, seed: int) -> dict:
                        "arrival_rate_per_s": 0.25 * nodes, "inter_turn_gap_s": {"kind": "exponential", "mean": 30.0}}
     config.validate()
     bare = bare_simpy_events_per_s()
+    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # interpreter, modules, calibration
     start, cpu_start = time.perf_counter(), time.process_time()
     # what sim.runner.run_config does, with the cluster kept to read its event count
     workload = load_workload(config.workload, config.seed)
@@ -70,6 +72,8 @@ def one(turns: int, nodes: int, seed: int) -> dict:
             "events_per_turn": round(events / simulated, 1), "bare_events_per_s": round(bare),
             "bare_events_per_turn": round(bare / (simulated / wall), 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            # what the run added at its peak (the workload held in memory, records, live state) per turn
+            "kb_per_turn": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / simulated, 2),
             "completed": result.summary["completed"]}
 
 
@@ -85,7 +89,7 @@ def main() -> None:
         return
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
-          f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12}")
+          f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12} {'KB/turn':>8}")
     for nodes in args.topologies:
         for turns in args.turns:
             out = subprocess.run([sys.executable, __file__, "--child", str(turns), str(nodes), "--seed", str(args.seed)],
@@ -93,7 +97,7 @@ def main() -> None:
             r = json.loads(out)
             print(f"{r['topology']:>9} {r['turns']:>9} {r['wall_s']:>8} {r['turns_per_s']:>9} {r['cpu_turns_per_s']:>12} "
                   f"{r['events_per_turn']:>12} {r['bare_events_per_s']:>10} {r['bare_events_per_turn']:>13} "
-                  f"{r['peak_rss_mb']:>12}", flush=True)
+                  f"{r['peak_rss_mb']:>12} {r['kb_per_turn']:>8}", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
 
 
