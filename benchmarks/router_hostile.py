@@ -35,15 +35,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_overhead import RawClient, free_port, wait_http  # noqa: E402  (same directory)
+from router_overhead import RawClient, _json_response, free_port, next_request, wait_http  # noqa: E402  (same directory)
 
 ROOT = Path(__file__).resolve().parents[1]
 _REQUEST_IDS = itertools.count()
-
-
-def _json_response(obj: dict) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
 
 
 class ScriptedUpstream(asyncio.Protocol):
@@ -59,21 +54,10 @@ class ScriptedUpstream(asyncio.Protocol):
     def data_received(self, data):
         self.buf += data
         while True:
-            head_end = self.buf.find(b"\r\n\r\n")
-            if head_end < 0:
+            request, self.buf = next_request(self.buf)
+            if request is None:
                 return
-            head = self.buf[:head_end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            end = head_end + 4 + length
-            if len(self.buf) < end:
-                return
-            body = self.buf[head_end + 4:end]
-            self.buf = self.buf[end:]
-            path = head.split(b" ", 2)[1]
+            path, body = request
             if path.startswith(b"/health"):
                 self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
             elif path.startswith(b"/v1/models"):

@@ -65,6 +65,24 @@ def _d_response(check: dict | None = None) -> bytes:
             + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
 
 
+def next_request(buf: bytes) -> tuple[tuple[bytes, bytes] | None, bytes]:
+    """The first complete HTTP/1.1 request in ``buf`` as (path, body), and what follows it; (None, buf)
+    while it is incomplete. Enough for the benchmarks' own clients (Content-Length bodies only)."""
+    head_end = buf.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None, buf
+    head = buf[:head_end]
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    end = head_end + 4 + length
+    if len(buf) < end:
+        return None, buf
+    return (head.split(b" ", 2)[1], buf[head_end + 4:end]), buf[end:]
+
+
 def _json_response(obj: dict) -> bytes:
     body = json.dumps(obj, separators=(",", ":")).encode()
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
@@ -110,21 +128,10 @@ class UpstreamProtocol(asyncio.Protocol):
     def data_received(self, data):
         self.buf += data
         while True:
-            head_end = self.buf.find(b"\r\n\r\n")
-            if head_end < 0:
+            request, self.buf = next_request(self.buf)
+            if request is None:
                 return
-            head = self.buf[:head_end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            end = head_end + 4 + length
-            if len(self.buf) < end:
-                return
-            body = self.buf[head_end + 4:end]
-            self.buf = self.buf[end:]
-            path = head.split(b" ", 2)[1]
+            path, body = request
             STATS["requests"] += 1
             if self.kind is None:  # what this connection was opened for
                 self.kind = "turn" if path.startswith(b"/v1/") else "health" if path.startswith(b"/health") else "other"
