@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Generator
 import simpy
 
 from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, PlacementRequest
-from impl.policy.placement import LeastLoaded
 
 if TYPE_CHECKING:
     from sim.workload.model import Lineage
@@ -59,9 +58,6 @@ class Router:
         self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []  # sized once the cluster has added its decode nodes
-        # LeastLoaded's rule evaluated on the nodes directly (see _argmin_first_tie_random)
-        self._p_least_loaded = type(p_placement) is LeastLoaded
-        self._d_least_loaded = type(d_placement) is LeastLoaded
 
     def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int,
                lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
@@ -85,25 +81,17 @@ class Router:
                 rec.miss_reason = found.miss.value
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
-        if self._p_least_loaded:  # needs no request
-            p_name = _argmin_first_tie_random(self.prefill, [p.queued_tokens for p in self.prefill], self.rng)
-        else:
-            cached = {}
-            if self.prefix_caching and key in self._last_prefill:
-                cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
-            p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
-            p_name = self.p_placement.pick(self._p_loads(), p_req, self.rng)
+        cached = {}
+        if self.prefix_caching and key in self._last_prefill:
+            cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
+        p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
+        p_name = self.p_placement.pick(self._p_loads(), p_req, self.rng)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
         yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage)
         self._last_prefill[key] = (p_name, n)
-        if self._d_least_loaded:
-            d_name = _argmin_first_tie_random(
-                self.decode, [((d.running_blocks + d.arriving_blocks) / d.capacity, len(d.running)) for d in self.decode],
-                self.rng)
-        else:
-            d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
-            d_name = self.d_placement.pick(self._d_loads(), d_req, self.rng)
+        d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
+        d_name = self.d_placement.pick(self._d_loads(), d_req, self.rng)
         rec.decode_instance = d_name
         yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage)
 
@@ -155,20 +143,3 @@ def _with_expiry(entry: ConversationEntry, expires_at: float) -> ConversationEnt
     return ConversationEntry(entry.decode_instance, entry.kv_params, expires_at, entry.num_tokens, entry.held_len,
                              entry.held_digest, entry.stored_at)
 
-
-def _argmin_first_tie_random(nodes: list[Any], costs: list[Any], rng: random.Random) -> str:
-    """impl.policy.placement.LeastLoaded's choice, from costs computed on the nodes themselves.
-
-    LeastLoaded ranks ``(queued_prefill_tokens, used_blocks / total_blocks, running_requests)``. A P
-    snapshot reports only its queue (used 0 of 1 block, no running requests), so its cost is the queue;
-    a D snapshot reports no queue, so its cost is ``(used / total, running)``: the same order and the
-    same ties as the full tuple. Ties go to ``rng`` exactly like ``_argmin`` (one draw only when tied;
-    every simulated node is healthy).
-    """
-    best = min(costs)
-    first = costs.index(best)
-    tied = costs.count(best)
-    if tied == 1:
-        return nodes[first].name
-    ties = [i for i in range(first, len(costs)) if costs[i] == best]
-    return nodes[ties[rng.randrange(tied)]].name
