@@ -15,7 +15,6 @@ scheduler, i.e. after this connector.
 
 from __future__ import annotations
 
-import collections
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,8 +67,6 @@ class PrefixChecker:
                           or vllm_config.model_config.model)
         self._algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         self._scheme: str | None = None
-        # tokens by (path, outcome): offered / verified / refused:<reason> / pulled
-        self.tokens: collections.Counter[tuple[str, str]] = collections.Counter()
 
     @property
     def scheme(self) -> str:
@@ -93,13 +90,6 @@ class PrefixChecker:
         prompt = request.prompt_token_ids or []
         return verify_prefix(params.get(CHECK_KEY), request.block_hashes, prompt, scheme=self.scheme,
                              block_size=self.hash_block_size)
-
-    def count(self, report: ReuseReport) -> None:
-        self.tokens[(report.path, "offered")] += report.offered
-        self.tokens[(report.path, "verified")] += report.verified
-        self.tokens[(report.path, "pulled")] += report.pulled
-        if report.offered > report.verified:
-            self.tokens[(report.path, f"refused:{report.reason}")] += report.offered - report.verified
 
 
 def report_of(path: str, offered: int, verification: PrefixVerification | None, verified: int,

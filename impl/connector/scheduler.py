@@ -284,7 +284,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self._awaiting_recv.discard(request.request_id)
         report = self._reports.pop(request.request_id, None)
         if report is not None:
-            self.prefix.count(report)
             self._stats.record_reuse(report)
         request_params = request.kv_transfer_params
         delay, out = super().request_finished(request, block_ids)

@@ -51,8 +51,12 @@ def decode_node(model_dir, **extra):
     return scheduler
 
 
-def run(scheduler, request, fake: FakeNixlTransfers | None = None, max_steps: int = 20):
-    """Step until ``request`` finished (completing its reads at once); returns the params it finished with."""
+def run(scheduler, request, fake: FakeNixlTransfers | None = None, max_steps: int = 20,
+        stats: dict[str, float] | None = None):
+    """Step until ``request`` finished (completing its reads at once); returns the params it finished with.
+
+    ``stats``: summed here, per key, the connector's ``bidikv_*`` counts from vLLM's per-step scheduler
+    stats (what P's /metrics export, impl/connector/stats.py)."""
     fake = fake or FakeNixlTransfers()
     finished_params = None
     for _ in range(max_steps):
@@ -65,6 +69,11 @@ def run(scheduler, request, fake: FakeNixlTransfers | None = None, max_steps: in
         else:
             out = empty_output(kv)
         for outputs in scheduler.update_from_output(so, out).values():
+            step_stats = outputs.scheduler_stats.kv_connector_stats if outputs.scheduler_stats else None
+            if stats is not None:
+                for key, values in (step_stats or {}).items():
+                    if key.startswith("bidikv_"):
+                        stats[key] = stats.get(key, 0) + sum(values)
             for o in outputs.outputs:
                 if o.request_id == request.request_id and o.finish_reason is not None:
                     finished_params = o.kv_transfer_params
@@ -509,20 +518,20 @@ def test_a_peer_hashing_differently_is_refused(model_dir):
     assert pulled == 0 and report.reason == "scheme"
 
 
-def test_ps_report_reaches_its_returned_params_and_its_counters(model_dir):
+def test_ps_report_reaches_its_returned_params_and_vllms_stats(model_dir):
     scheduler = prefill_node(model_dir, kv_recompute_threshold=0)
     held = tokens(100, seed=76)
     prompt = held[:50] + [1] + held[51:] + tokens(20, seed=77)  # differs at 50: one block verifies
     req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=100), held))
     scheduler.add_request(req)
-    params = run(scheduler, req)
+    totals: dict[str, float] = {}
+    params = run(scheduler, req, stats=totals)
     assert params["bidikv_reuse"] == {"path": "d_to_p", "offered": 100, "verified": 32, "pulled": 32,
                                       "reason": "partial"}
     # and P publishes what it now holds for D's read (the P->D path verifies it the same way)
     assert params["bidikv_prefix_check"]["n"] == len(prompt)
-    counted = connector_scheduler(scheduler).prefix.tokens
-    assert counted[("d_to_p", "offered")] == 100 and counted[("d_to_p", "verified")] == 32
-    assert counted[("d_to_p", "refused:partial")] == 68
+    assert totals["bidikv_d_to_p_offered"] == 100 and totals["bidikv_d_to_p_verified"] == 32
+    assert totals["bidikv_d_to_p_refused_partial"] == 68
 
 
 def test_d_verifies_ps_prefix_on_the_ordinary_path(model_dir):
@@ -545,18 +554,7 @@ def test_verification_counts_reach_vllms_stats_path(model_dir):
     prompt = held[:70] + [1] + held[71:] + tokens(20, seed=80)  # differs at 70: two blocks verify
     req = make_request(prompt, with_check(scheduler, decode_params(num_blocks=4, remote_num_tokens=100), held))
     scheduler.add_request(req)
-    fake, totals = FakeNixlTransfers(), {}
-    for _ in range(20):
-        so = scheduler.schedule()
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            fake.read_done(req.request_id)
-        out = model_output([req], kv=fake.output()) if req.request_id in so.num_scheduled_tokens else empty_output(fake.output())
-        for eco in scheduler.update_from_output(so, out).values():
-            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
-            for key, values in (stats or {}).items():
-                if key.startswith("bidikv_"):
-                    totals[key] = totals.get(key, 0) + sum(values)
-        if req.is_finished():
-            break
+    totals: dict[str, float] = {}
+    run(scheduler, req, stats=totals)
     assert totals["bidikv_d_to_p_offered"] == 100 and totals["bidikv_d_to_p_verified"] == 64
     assert totals["bidikv_d_to_p_pulled"] == 64 and totals["bidikv_d_to_p_refused_partial"] == 36
