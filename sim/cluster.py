@@ -142,10 +142,28 @@ class Cluster:
                 self.series.append((self.env.now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
             yield self.env.timeout(interval)
 
-    def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None) -> SimResult:
+    def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
+        """Send turn ``index`` of ``conv`` now and wait until it finishes: the hook for a client loop that
+        interleaves conversations (vLLM's benchmark clients, sim/bench_clients.py)."""
+        key = (conv.tenant, conv.conversation_id)
+        self._conversations[key] = conv
+        self._turn_index[key] = index
+        turn = conv.turns[index]
+        rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env.now)
+        self.records.append(rec)
+        yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage)
+        return rec
+
+    def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None,
+            clients: Callable[["Cluster", Sequence[Conversation]], int] | None = None) -> SimResult:
+        """``clients``: starts the client processes itself and returns how many (each lowers
+        ``_live_clients`` when it exits); turns it never sends are not recorded. Default: one process per
+        conversation, or a pool of ``config.num_clients``."""
         env = self.env
         self._live_clients = len(conversations)
-        if self.config.num_clients:
+        if clients is not None:
+            self._live_clients = clients(self, conversations)
+        elif self.config.num_clients:
             queue = collections.deque(conversations)
             for _ in range(self.config.num_clients):
                 env.process(self._client_pool_worker(queue))
@@ -166,7 +184,7 @@ class Cluster:
         end = env.now
         for d in self.decode:
             d._advance_retention(end)
-        self._reject_unfinished(conversations)
+        self._reject_unfinished(conversations if clients is None else ())
         bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
         summary = summarize(self.records, bytes_per_block, {d.name: d.totals for d in self.decode}, end)
         summary["prefill_utilisation"] = {p.name: (p.busy_s / end if end > 0 else 0.0) for p in self.prefill}
