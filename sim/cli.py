@@ -113,6 +113,30 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces)")
     w.add_argument("--conversations", type=number(int), default=None, metavar="N",
                    help="number of conversations (synthetic/agentic; the other workload settings are kept)")
+    add_vllm_flags(parser)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's multi-turn benchmark: its JSON config and its client flags, under vLLM's names (shared with
+    ``bidikv bench``, so both describe the same run)."""
+    from sim.bench_clients import VllmClientConfig
+
+    group = parser.add_argument_group("vLLM multi-turn benchmark (benchmarks/multi_turn in vLLM)")
+    group.add_argument("--vllm-multi-turn-config", default=None, metavar="JSON",
+                       help="a vLLM multi-turn benchmark config (the generate_multi_turn.json format, "
+                            "\"filetype\": \"generate_conversations\"), read as is: the same conversations as "
+                            "`benchmark_serving_multi_turn.py --input-file JSON`, sent by its client loop (--num-clients, "
+                            "--max-active-conversations, early stop); implies --workload vllm_multi_turn")
+    defaults = VllmClientConfig()
+    for f in dataclasses.fields(VllmClientConfig):
+        default = getattr(defaults, f.name)
+        kw: dict[str, Any] = {"dest": f"vllm__{f.name}", "default": None,
+                              "help": f"{f.metadata['help']} (default: {default}; needs --vllm-multi-turn-config)"}
+        if isinstance(default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"], kw["metavar"] = number(type(default)), "RATE" if f.name.endswith("rate") else "N"
+        group.add_argument(_flag(f.name), **kw)
 
 
 def _shown(default: Any) -> str:
@@ -124,6 +148,8 @@ def describe_spec(spec: dict) -> str:
     kind = spec.get("kind", "synthetic")
     if kind == "mooncake":
         return f"Mooncake trace {spec.get('path', '?')} (its own arrival times)"
+    if kind == "vllm_multi_turn":
+        return f"vLLM multi-turn benchmark config {spec.get('path', '?')}"
     what = {"synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
             "agentic": "agentic tool loops"}.get(kind, kind)
     n = spec.get("num_conversations")
@@ -151,7 +177,13 @@ def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[s
         text += (f"; time between turns p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s"
                  if config.workload.get("kind") == "mooncake" else
                  f"; think time after a reply p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s")
-    if config.num_clients:
+    if config.workload.get("kind") == "vllm_multi_turn":
+        clients = config.num_clients or 1
+        active = config.workload.get("max_active_conversations") or clients
+        stop = "stopping when the first client stops" if config.workload.get("early_stop", True) else "no early stop"
+        text += (f"; vLLM's client loop: {clients} clients, {active // clients} active conversations each, "
+                 f"round robin, {stop}")
+    elif config.num_clients:
         text += f"; {config.num_clients} clients, each running one conversation at a time"
     return {"kind": config.workload.get("kind", "synthetic"), "description": text,
             "conversations": len(conversations), "turns": turns}
@@ -173,16 +205,26 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 def workload_from_args(base: dict, args: argparse.Namespace) -> dict:
     """The config's [workload] table with --trace, --workload and --conversations applied."""
     workload = dict(base)
-    if args.trace:
+    if getattr(args, "vllm_multi_turn_config", None):
+        workload = {"kind": "vllm_multi_turn", "path": args.vllm_multi_turn_config}
+    elif args.trace:
         workload = {"kind": "mooncake", "path": args.trace}
     elif args.workload_kind and args.workload_kind != workload.get("kind"):
         workload = {"kind": args.workload_kind}
     if args.conversations is not None:
         if workload.get("kind", "synthetic") == "mooncake":
             raise ValueError("--conversations does not apply to a trace (its conversations are fixed)")
+        if workload.get("kind") == "vllm_multi_turn":
+            raise ValueError("--conversations does not apply to a vLLM config (its num_conversations is in the file)")
         if args.conversations < 1:
             raise ValueError(f"--conversations must be >= 1, got {args.conversations}")
         workload["num_conversations"] = args.conversations
+    for key, value in vars(args).items():
+        if key.startswith("vllm__") and value is not None:
+            if workload.get("kind") != "vllm_multi_turn":
+                raise ValueError(f"{_flag(key[len('vllm__'):])} is one of vLLM's benchmark client flags: it needs "
+                                 "--vllm-multi-turn-config (or a [workload] with kind = \"vllm_multi_turn\")")
+            workload[key[len("vllm__"):]] = value
     return workload
 
 

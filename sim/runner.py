@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from calibration.profile import LatencyProfile
 from sim.cluster import Cluster, SimResult
 from sim.config import SimConfig
-from sim.workload import load_workload
+from sim.workload import VLLM_MULTI_TURN, load_workload
 from sim.workload.model import Conversation
 
 
@@ -19,8 +19,9 @@ def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfil
         conversations = load_workload(config.workload, config.seed)
     profile = profile or LatencyProfile.load(config.profile)
     cluster = Cluster(config, profile)
+    clients = vllm_clients(config)
     if not progress:
-        return cluster.run(conversations)
+        return cluster.run(conversations, clients=clients)
     from tqdm import tqdm
 
     horizon = config.max_sim_time_s
@@ -38,6 +39,20 @@ def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfil
             bar.n = min(now, horizon)
             bar.refresh()
     try:
-        return cluster.run(conversations, progress=update)
+        return cluster.run(conversations, progress=update, clients=clients)
     finally:
         bar.close()
+
+
+def vllm_clients(config: SimConfig) -> Callable[[Cluster, Sequence[Conversation]], int] | None:
+    """vLLM's benchmark client loop for a ``vllm_multi_turn`` workload (sim/bench_clients.py), else None."""
+    if config.workload.get("kind") != VLLM_MULTI_TURN:
+        return None
+    from sim import bench_clients
+
+    if config.policy.retention == "oracle":
+        raise ValueError("config field policy.retention: oracle needs each next turn's arrival, which vLLM's client "
+                         "loop decides during the run; use ttl, lease or gap_quantile with a vllm_multi_turn workload")
+    client_config = bench_clients.config_from_workload(config.workload)
+    return lambda cluster, conversations: bench_clients.start(cluster, conversations, client_config,
+                                                              config.num_clients, config.seed)

@@ -39,6 +39,12 @@ def register(subparsers: Any) -> None:
                    help="synthetic prompt token ids are drawn from [low, high) (default: %(default)s)")
     p.add_argument("--token-id-high", type=int, default=_BENCH_DEFAULTS.token_id_high,
                    help="exclusive upper bound; at most the model's vocabulary size (default: %(default)s)")
+    p.add_argument("--num-clients", type=int, default=None,
+                   help="vLLM's --num-clients, with --vllm-multi-turn-config (default: the config's num_clients, "
+                        "else 1); other workloads use --concurrency")
+    from sim.cli import add_vllm_flags
+
+    add_vllm_flags(p)
     p.set_defaults(run=run)
 
 
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from impl.bench.records import write_jsonl
     from sim.cli import workload_from_args
     from sim.config import load_config
-    from sim.workload import load_workload
+    from sim.workload import VLLM_MULTI_TURN, load_workload
 
     base = load_config(args.config)
     workload = workload_from_args(base.workload, args)
@@ -57,7 +63,16 @@ def run(args: argparse.Namespace) -> int:
                          max_rate_per_s=args.max_rate, gap_scale=args.gap_scale, max_model_len=args.max_model_len,
                          seed=seed, api_key=os.environ.get(args.api_key_env), token_id_low=args.token_id_low,
                          token_id_high=args.token_id_high)
-    records = asyncio.run(run_bench(config, conversations))
+    if workload.get("kind") == VLLM_MULTI_TURN:
+        from impl.bench.vllm_clients import run_vllm_bench
+        from sim.bench_clients import config_from_workload
+
+        num_clients = base.num_clients if args.num_clients is None else args.num_clients
+        records = asyncio.run(run_vllm_bench(config, conversations, config_from_workload(workload), num_clients))
+    elif args.num_clients is not None:
+        raise ValueError("--num-clients is vLLM's client flag (with --vllm-multi-turn-config); use --concurrency")
+    else:
+        records = asyncio.run(run_bench(config, conversations))
     if args.out:
         write_jsonl(records, args.out)
     print(summary_table(records))

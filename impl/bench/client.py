@@ -55,11 +55,15 @@ async def _model_info(session: aiohttp.ClientSession, config: BenchConfig) -> tu
 
 
 async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str, conversation_id: str,
-                prompt: list[int], max_tokens: int) -> tuple[float, float, list[int], dict[str, str], str]:
-    """One streamed completion: (ttft_s, total_s, generated ids, response headers, error)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0.0,
-            "conversation_id": conversation_id, **config.extra_body}
+                prompt: list[int], max_tokens: int,
+                exact_length: bool = True) -> tuple[float, float, list[int], dict[str, str], str]:
+    """One streamed completion: (ttft_s, total_s, generated ids, response headers, error).
+
+    ``exact_length``: exactly ``max_tokens`` greedy tokens (ignore EOS); False: ``max_tokens`` only and the
+    server's sampling defaults, as vLLM's multi-turn benchmark asks (the answer may end early at EOS)."""
+    sampling = ({"min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0} if exact_length else {})
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling, "stream": True,
+            "return_token_ids": True, "conversation_id": conversation_id, **config.extra_body}
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
     ttft = float("nan")
@@ -93,6 +97,19 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
         return ttft, time.perf_counter() - start, generated, {}, f"{type(exc).__name__}: {exc}"[:200]
 
 
+def turn_record(config: BenchConfig, conversation_id: str, index: int, prompt_tokens: int, start_s: float,
+                result: tuple[float, float, list[int], dict[str, str], str]) -> BenchRecord:
+    """The JSONL record of one turn from what :func:`_turn` returned and the router's headers."""
+    ttft, total, generated, headers, error = result
+    cached = headers.get("X-Bidikv-Prefill-Cached-Tokens")
+    return BenchRecord(conversation=conversation_id, turn=index, mode=config.mode, prompt_tokens=prompt_tokens,
+                       output_tokens=len(generated), start_s=start_s, ttft_s=ttft, total_s=total,
+                       reuse_offered_tokens=int(headers.get("X-Bidikv-Reuse-Offered-Tokens", 0)),
+                       prefill_cached_tokens=int(cached) if cached is not None else None,
+                       prefill_instance=headers.get("X-Bidikv-Prefill", ""),
+                       decode_instance=headers.get("X-Bidikv-Decode", ""), error=error)
+
+
 async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) -> list[BenchRecord]:
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     records: list[BenchRecord] = []
@@ -123,14 +140,8 @@ async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) 
                     start = time.perf_counter() - t0
                     ttft, total, generated, headers, error = await _turn(session, config, model, conv.conversation_id,
                                                                          prompt, turn.output_tokens)
-                    cached = headers.get("X-Bidikv-Prefill-Cached-Tokens")
-                    records.append(BenchRecord(
-                        conversation=conv.conversation_id, turn=index, mode=config.mode, prompt_tokens=len(prompt),
-                        output_tokens=len(generated), start_s=start, ttft_s=ttft, total_s=total,
-                        reuse_offered_tokens=int(headers.get("X-Bidikv-Reuse-Offered-Tokens", 0)),
-                        prefill_cached_tokens=int(cached) if cached is not None else None,
-                        prefill_instance=headers.get("X-Bidikv-Prefill", ""),
-                        decode_instance=headers.get("X-Bidikv-Decode", ""), error=error))
+                    records.append(turn_record(config, conv.conversation_id, index, len(prompt), start,
+                                               (ttft, total, generated, headers, error)))
                     if error:
                         break  # a failed turn has no answer to continue from
                     history = prompt + generated

@@ -8,6 +8,8 @@ Reading guide:
 * :mod:`~sim.workload.synthetic`     -- vLLM's multi-turn benchmark (PR #32553 settings by default)
 * :mod:`~sim.workload.agentic`       -- tool loops: short gaps, context grown by tool results
 * :mod:`~sim.workload.mooncake`      -- Mooncake FAST'25 trace replay and its gap statistics
+* :mod:`~sim.workload.vllm_multi_turn` -- vLLM's ``generate_multi_turn.json`` read as is (its client
+                                        loop: :mod:`sim.bench_clients`)
 * :mod:`~sim.workload.history`       -- where a resent history departs from what D holds (reasoning a
                                         template drops, drift, re-serialised tool calls, edits) and the
                                         presets built on it
@@ -20,19 +22,21 @@ import functools
 from collections.abc import Mapping
 
 from sim.rng import stream
-from sim.workload import agentic, history, mooncake, synthetic
+from sim.workload import agentic, history, mooncake, synthetic, vllm_multi_turn
 from sim.workload.distributions import Distribution, Empirical, parse_distribution
 from sim.workload.model import Conversation, Turn
 from sim.workload.spec import config_from_spec
 
 __all__ = ["Conversation", "Turn", "load_workload"]
 
-WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic", *history.PRESETS)
+VLLM_MULTI_TURN = "vllm_multi_turn"  # vLLM's benchmark config file plus its client flags
+WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic", VLLM_MULTI_TURN, *history.PRESETS)
 # one line per kind, for --help and the run's description
 WORKLOAD_HELP = {
     "synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
     "agentic": "agentic tool loops",
     "mooncake": "Mooncake trace replay (give --trace)",
+    VLLM_MULTI_TURN: "vLLM's multi-turn benchmark config and client loop (give --vllm-multi-turn-config)",
     **{name: preset.help for name, preset in history.PRESETS.items()},
 }
 MOONCAKE_KEYS = ("kind", "path", "min_parent_blocks")
@@ -50,6 +54,9 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
     a preset (``reasoning_chat``, ``answer_drift``, ``edited_history``, ``reasoning_agent``:
     :data:`~sim.workload.history.PRESETS`) is a generator with its own HistoryConfig values, which
     keys override the same way. For ``mooncake``, give ``path`` and optionally ``min_parent_blocks``.
+    For ``vllm_multi_turn``, give ``path`` (a ``generate_multi_turn.json``, read as is:
+    :mod:`~sim.workload.vllm_multi_turn`) and optionally vLLM's client flags
+    (:class:`sim.bench_clients.VllmClientConfig`), which the run's client loop reads.
     A distribution field may also be ``{kind = "mooncake_gaps", path = ...}``:
     gaps resampled from a trace. Unknown keys are errors that name the key.
 
@@ -95,12 +102,22 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
         if isinstance(min_parent_blocks, bool) or not isinstance(min_parent_blocks, int):
             raise ValueError(f"workload.min_parent_blocks: expected an integer, got {min_parent_blocks!r}")
         return mooncake.load_trace(path, stream(seed, "trace-jitter"), min_parent_blocks=min_parent_blocks)
+    if kind == VLLM_MULTI_TURN:
+        from sim.bench_clients import CONFIG_KEYS, config_from_workload
+
+        for key in spec:
+            if key not in ("kind", "path", *CONFIG_KEYS):
+                raise ValueError(f"workload: unknown key {key!r} for kind {VLLM_MULTI_TURN!r} "
+                                 f"(allowed: kind, path, {', '.join(CONFIG_KEYS)}; the rest is in the JSON file)")
+        config_from_workload(spec)  # the client flags, checked before any work
+        parsed = vllm_multi_turn.load_config(_trace_path(spec, "workload"))
+        return vllm_multi_turn.generate(parsed, stream(seed, "workload"))
     raise ValueError(f"workload.kind: unknown workload kind {kind!r} (one of: {', '.join(WORKLOAD_KINDS)})")
 
 
 def _trace_path(spec: Mapping[str, object], where: str) -> str:
     if "path" not in spec:
-        raise ValueError(f"{where}: missing key 'path' (the trace file)")
+        raise ValueError(f"{where}: missing key 'path' (the trace or config file)")
     path = spec["path"]
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}.path: expected a file path, got {path!r}")

@@ -158,6 +158,88 @@ class LogNormal:
 
 
 @dataclass(frozen=True, slots=True)
+class Zipf:
+    """P(k) = k^-alpha / zeta(alpha) for k = 1, 2, ...; optionally clipped at ``max_value``.
+
+    vLLM's multi-turn benchmark draws ``{"distribution": "zipf", "alpha": a, "max": m}`` with numpy's
+    ``random.zipf`` (alpha > 1). Sampled here by Devroye's rejection method (Non-Uniform Random Variate
+    Generation, 1986, X.6.1: http://luc.devroye.org/rnbookindex.html): propose floor(U^(-1/(alpha-1)))
+    and accept with the ratio of the target to that proposal's mass.
+    """
+
+    alpha: float
+    max_value: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("zipf alpha", self.alpha, minimum=1.0, strictly_above=True)
+        if self.max_value is not None:
+            _integer("zipf max", self.max_value)
+
+    def sample(self, rng: random.Random) -> int:
+        exponent = self.alpha - 1.0
+        b = 2.0 ** exponent
+        while True:
+            u = 1.0 - rng.random()  # (0, 1]: U^(-1/exponent) stays finite
+            v = rng.random()
+            proposal = u ** (-1.0 / exponent)
+            if proposal >= 2.0 ** 62:  # beyond any count that matters; the clip below would take it anyway
+                continue
+            k = math.floor(proposal)
+            t = (1.0 + 1.0 / k) ** exponent
+            if v * k * (t - 1.0) / (b - 1.0) <= t / b:
+                return k if self.max_value is None else min(k, self.max_value)
+
+
+@dataclass(frozen=True, slots=True)
+class Poisson:
+    """Counts with mean and variance ``mean``; optionally clipped at ``max_value``.
+
+    vLLM's multi-turn benchmark calls the mean ``alpha`` (numpy's ``random.poisson(lam)``). Below a
+    mean of 10, Knuth's product of uniforms (TAOCP vol. 2, 3.4.1); from 10 on, Hoermann's transformed
+    rejection PTRS ("The transformed rejection method for generating Poisson random variables",
+    Insurance: Mathematics and Economics 12, 1993), whose cost does not grow with the mean.
+    """
+
+    mean: float
+    max_value: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("poisson mean", self.mean)
+        if self.max_value is not None:
+            _integer("poisson max", self.max_value)
+
+    def sample(self, rng: random.Random) -> int:
+        k = self._knuth(rng) if self.mean < 10.0 else self._ptrs(rng)
+        return k if self.max_value is None else min(k, self.max_value)
+
+    def _knuth(self, rng: random.Random) -> int:
+        limit, product, k = math.exp(-self.mean), rng.random(), 0
+        while product > limit:
+            product *= rng.random()
+            k += 1
+        return k
+
+    def _ptrs(self, rng: random.Random) -> int:
+        lam = self.mean
+        b = 0.931 + 2.53 * math.sqrt(lam)
+        a = -0.059 + 0.02483 * b
+        log_inv_alpha = math.log(1.1239 + 1.1328 / (b - 3.4))
+        v_r = 0.9277 - 3.6224 / (b - 2.0)
+        while True:
+            u = rng.random() - 0.5
+            v = rng.random()
+            us = 0.5 - abs(u)
+            k = math.floor((2.0 * a / us + b) * u + lam + 0.43) if us > 0 else -1
+            if us >= 0.07 and v <= v_r:
+                return k
+            if k < 0 or (us < 0.013 and v > us):
+                continue
+            if (math.log(v) + log_inv_alpha - math.log(a / (us * us) + b)
+                    <= -lam + k * math.log(lam) - math.lgamma(k + 1)):
+                return k
+
+
+@dataclass(frozen=True, slots=True)
 class Empirical:
     """Resamples observed values with replacement (e.g. Mooncake's parent->child gaps)."""
 
@@ -176,8 +258,8 @@ class Empirical:
         return rng.choice(self.samples)
 
 
-Distribution = Constant | Uniform | UniformInt | Exponential | LogNormal | Empirical
-DISTRIBUTION_TYPES = (Constant, Uniform, UniformInt, Exponential, LogNormal, Empirical)
+Distribution = Constant | Uniform | UniformInt | Exponential | LogNormal | Zipf | Poisson | Empirical
+DISTRIBUTION_TYPES = (Constant, Uniform, UniformInt, Exponential, LogNormal, Zipf, Poisson, Empirical)
 
 
 def sample_count(distribution: Distribution, rng: random.Random, minimum: int = 0) -> int:
@@ -193,6 +275,8 @@ _TABLE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "exponential": (frozenset({"mean"}), frozenset()),
     "lognormal": (frozenset(), frozenset({"mu", "sigma", "mean", "median_ratio", "p50", "p90", "max"})),
     "empirical": (frozenset({"samples"}), frozenset()),
+    "zipf": (frozenset({"alpha"}), frozenset({"max"})),
+    "poisson": (frozenset({"mean"}), frozenset({"max"})),
 }
 
 
@@ -204,7 +288,8 @@ def parse_distribution(spec: object, field: str) -> Distribution:
     * a number, or a string holding one: a constant (``500``);
     * ``"low..high"``: uniform over integers if both ends are integers, else over reals;
     * a table with ``kind`` and the kind's keys: ``constant`` (value), ``uniform`` / ``uniform_int``
-      (low, high), ``exponential`` (mean), ``empirical`` (samples), ``lognormal`` given by one of
+      (low, high), ``exponential`` (mean), ``empirical`` (samples), ``zipf`` (alpha [, max]),
+      ``poisson`` (mean [, max]), ``lognormal`` given by one of
       ``mu`` + ``sigma`` (the normal's parameters), ``mean`` + ``sigma`` (mean of the distribution),
       ``mean`` [+ ``median_ratio``, default 0.85] (vLLM's "average" form), ``p50`` + ``p90``;
       each lognormal form takes an optional ``max`` that clips samples;
@@ -276,6 +361,10 @@ def _parse_table(spec: Mapping[str, object], field: str) -> Distribution:
         return Exponential(params["mean"])
     if kind == "empirical":
         return Empirical(params["samples"])
+    if kind == "zipf":
+        return Zipf(params["alpha"], params.get("max"))  # type: ignore[arg-type]
+    if kind == "poisson":
+        return Poisson(params["mean"], params.get("max"))  # type: ignore[arg-type]
     return _parse_lognormal(params)
 
 

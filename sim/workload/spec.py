@@ -43,6 +43,10 @@ def config_from_spec(config_type: type[ConfigT], spec: Mapping[str, object], whe
 def _convert(value: object, hint: object, name: str, parse: DistributionParser) -> object:
     if hint == Distribution:
         return parse(value, name)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true or false, got {value!r}")
+        return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: expected an integer, got {value!r}")
