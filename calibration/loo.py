@@ -1,0 +1,116 @@
+"""Leave one model out: how far a profile for a model nobody measured can be trusted, from data.
+
+Two kinds of held-out prediction, printed by ``bidikv calibrate --leave-one-model-out`` (or
+``python -m calibration.loo [--json|--markdown]``):
+
+* **across kernel families, published figures** (closed form, calibration.fit.leave_one_out): fit on one
+  measured model's ten figures alone (EFA at line rate: nothing from the other model), build the other
+  model's profile from its config.json, predict its ten figures. Qwen3-32B (BF16 dense GQA) and GLM-5-FP8
+  (FP8 MoE MLA) share no kernel family, so this is the error of a profile whose family nobody measured.
+* **within a kernel family, a model no fit has seen** (simulator, calibration.heldout): Llama-3.3-70B on
+  p5en (vLLM PR #32553), predicted by ``bidikv profile``'s default (the same-family model's fit: Qwen3-32B),
+  and, to show what the family rule buys, by GLM-5-FP8's fit and by the two-model compromise.
+
+The summary gives per (trained on, predicted model, metric group) the median and max |error| and the
+signed range: the numbers ``bidikv profile`` prints as what to expect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any, Sequence
+
+GROUPS = {"transfer": "transfer", "prefill": "prefill/TTFT", "ttft": "prefill/TTFT", "tpot": "TPOT"}
+DEFAULT_SOURCE = "bidikv profile default"
+
+
+def published_rows() -> list[dict[str, Any]]:
+    from calibration.fit import leave_one_out
+
+    return [{**r, "statistic": "single request", "tp": 8, "source": "closed form"} for r in leave_one_out()]
+
+
+def heldout_sources(with_alternatives: bool = True) -> dict[str, Any]:
+    from calibration.efficiencies import load_efficiencies
+    from calibration.portable import measured_efficiencies
+
+    sources: dict[str, Any] = {DEFAULT_SOURCE: None}
+    if with_alternatives:
+        sources["GLM-5-FP8 fit"] = measured_efficiencies("GLM-5-FP8")
+        sources["two-model compromise"] = load_efficiencies("p5en")
+    return sources
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for r in rows:
+        key = (r["trained_on"], r["model"], GROUPS[r["metric"]])
+        groups.setdefault(key, []).append(r["rel_error"])
+    return [{"trained_on": t, "model": m, "group": g, "points": len(e),
+             "median_abs_error": statistics.median(abs(x) for x in e), "max_abs_error": max(abs(x) for x in e),
+             "min_error": min(e), "max_error": max(e)} for (t, m, g), e in groups.items()]
+
+
+def report(with_alternatives: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Both parts and their summary; the held-out part needs the simulator (``sim``) importable."""
+    from calibration.heldout import heldout_rows
+
+    published = published_rows()
+    heldout = heldout_rows(heldout_sources(with_alternatives), seed=seed)
+    return {"published": published, "heldout": heldout, "summary": summary(published + heldout)}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def format_text(rep: dict[str, Any]) -> str:
+    lines = ["Across kernel families: fit on one measured model alone, predict the other's published figures "
+             "(closed form, single requests, TP8)"]
+    for r in rep["published"]:
+        lines.append(f"  {r['trained_on']:10} -> {r['model']:10} {r['prompt_tokens']:6d} {r['mode']:3} {r['metric']:8} "
+                     f"measured {r['measured_ms']:7.1f} ms  predicted {r['predicted_ms']:7.1f} ms  {_pct(r['rel_error']):>9}")
+    lines.append("\nWithin a kernel family: Llama-3.3-70B on p5en, vLLM PR #32553, never fitted (simulator; the PR does "
+                 "not state TP, so TP4 and TP8)")
+    for r in rep["heldout"]:
+        lines.append(f"  {r['trained_on']:24} -> {r['model']:20} {r['mode']:3} {r['metric']} {r['statistic']:4} "
+                     f"measured {r['measured_ms']:7.1f} ms  predicted {r['predicted_ms']:7.1f} ms  {_pct(r['rel_error']):>9}")
+    lines.append("\nSummary: |error| median / max (signed range)")
+    for s in rep["summary"]:
+        lines.append(f"  {s['trained_on']:24} -> {s['model']:20} {s['group']:13} {s['points']:2d} points  "
+                     f"{100 * s['median_abs_error']:5.1f} % / {100 * s['max_abs_error']:5.1f} %  "
+                     f"({_pct(s['min_error'])} to {_pct(s['max_error'])})")
+    return "\n".join(lines)
+
+
+def format_markdown(rep: dict[str, Any]) -> str:
+    lines = ["| trained on | predicted | what | points | \\|error\\| median | \\|error\\| max | signed range |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for s in rep["summary"]:
+        lines.append(f"| {s['trained_on']} | {s['model']} | {s['group']} | {s['points']} | "
+                     f"{100 * s['median_abs_error']:.1f} % | {100 * s['max_abs_error']:.1f} % | "
+                     f"{_pct(s['min_error'])} to {_pct(s['max_error'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m calibration.loo", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the rows and the summary as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the summary as a markdown table")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed of the held-out simulation (default: 0)")
+    args = parser.parse_args(argv)
+    rep = report(seed=args.seed)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    elif args.markdown:
+        print(format_markdown(rep))
+    else:
+        print(format_text(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

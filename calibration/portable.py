@@ -1,0 +1,113 @@
+"""What a profile for a model nobody measured is made of: physics, carried-over fits, assumptions.
+
+Every :class:`~calibration.profile.LatencyProfile` field belongs to one of four kinds:
+
+* ``physics``    exact arithmetic on the model's config.json and the hardware facts (KV bytes per token,
+                 block size, attention window, the HBM budget): right whatever the engine does;
+* ``efficiency`` a physical count (FLOPs, bytes, descriptors) divided by a hardware peak times a fitted
+                 fraction of that peak (GEMM / attention MFU, EFA efficiency). The count is exact, the
+                 fraction is a property of the kernels that run it, so it carries over only to a model whose
+                 kernels are the same: same weight dtype, same attention kind, dense or MoE alike;
+* ``overhead``   engine costs in seconds that do not follow from the model's size (per forward pass, per
+                 transfer, per reused token, per request on the TTFT path), fitted on the measured
+                 models' figures and carried over as they are;
+* ``assumption`` decode: first principles with stated constants (HBM efficiency, per-layer and per-sequence
+                 step costs) that no published p5en figure of the measured models constrains.
+
+An unmeasured model takes the efficiencies *and* overheads of the measured model of its kernel family
+(:func:`nearest_measured`: a dense BF16 GQA model takes Qwen3-32B's, an FP8 MoE MLA model GLM-5-FP8's):
+the two measured models run their linear layers at 34 % and 5 % of peak and their fixed costs per
+forward differ 2.9x, so a compromise fitted on both matches neither. A model of neither family gets the
+two-model compromise, and the leave-one-model-out error (calibration.loo) is what to expect of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from calibration.architecture import Architecture
+from calibration.efficiencies import HardwareEfficiencies
+from calibration.profile import LatencyProfile
+from calibration.published import MEASURED, MeasuredDeployment, deployment
+
+PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION = "physics", "efficiency", "overhead", "assumption"
+
+# field -> (kind, what sets it)
+FIELD_KINDS: dict[str, tuple[str, str]] = {
+    "kv_bytes_per_token": (PHYSICS, "config.json: KV heads x head size x layers x dtype, summed over TP ranks"),
+    "block_size": (PHYSICS, "the attention backend's page size (FlashAttention 16, FlashMLA 64)"),
+    "attn_window_tokens": (PHYSICS, "config.json: DSA top-k (0 = dense attention)"),
+    "decode_hbm_kv_bytes": (PHYSICS, "TP x HBM x gpu_memory_utilization - weight bytes"),
+    "prefill_per_token_s": (EFFICIENCY, "linear FLOPs/token / (TP x peak FLOP/s x GEMM MFU)"),
+    "prefill_attn_s": (EFFICIENCY, "attention FLOPs/pair / (TP x BF16 peak x attention MFU)"),
+    "prefill_index_s": (EFFICIENCY, "DSA indexer FLOPs/pair / (TP x FP8 peak x attention MFU)"),
+    "transfer_bytes_per_s": (EFFICIENCY, "EFA line rate x TP x EFA efficiency"),
+    "transfer_per_block_s": (OVERHEAD, "NIXL descriptors per block (config.json) x fitted cost per descriptor"),
+    "prefill_fixed_s": (OVERHEAD, "layers x fitted fixed cost per layer per forward pass"),
+    "transfer_setup_s": (OVERHEAD, "fitted per D->P transfer (handshake, notification)"),
+    "reuse_overhead_per_token_s": (OVERHEAD, "fitted per reused token on the ON path (cause not identified)"),
+    "ttft_overhead_fixed_s": (OVERHEAD, "fitted per request (proxy hops, D's first step)"),
+    "ttft_overhead_per_prompt_token_s": (OVERHEAD, "fitted per prompt token (D re-tokenises the prompt)"),
+    "ttft_overhead_per_reused_byte_s": (OVERHEAD, "fitted per reused KV byte (cause not identified)"),
+    "decode_fixed_s": (ASSUMPTION, "weight bytes / (HBM x 0.7) + layers x 30 us: not fitted on p5en"),
+    "decode_per_seq_s": (ASSUMPTION, "extra MoE experts read per sequence + 50 us: not fitted on p5en"),
+    "decode_per_ctx_token_s": (ASSUMPTION, "KV bytes per token per rank / (HBM x 0.7): not fitted on p5en"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelFamily:
+    """What decides which kernels run a model's prefill: the fitted fractions of peak carry within a family."""
+
+    weight_dtype: str
+    attention: str  # "gqa" | "mla"
+    moe: bool
+
+    def describe(self) -> str:
+        return f"{self.weight_dtype.upper()} {'MoE' if self.moe else 'dense'} {self.attention.upper()}"
+
+
+def kernel_family(arch: Architecture) -> KernelFamily:
+    return KernelFamily(arch.weight_dtype, arch.attention, arch.moe_experts > 0)
+
+
+def nearest_measured(arch: Architecture) -> MeasuredDeployment | None:
+    """The measured deployment whose kernel family is ``arch``'s, or None."""
+    from calibration.fit import target  # the fit's view of a measured model (its architecture)
+
+    family = kernel_family(arch)
+    for d in MEASURED:
+        if kernel_family(target(d.model).arch) == family:
+            return d
+    return None
+
+
+def measured_efficiencies(model: str) -> HardwareEfficiencies:
+    """The efficiencies and overheads a measured model's shipped profile was fitted to (its own figures
+    only, EFA efficiency at the two-model value), read from that profile's provenance."""
+    from calibration.fit import TERM_NAMES, efficiencies_from_vector
+
+    d = deployment(model)
+    profile = LatencyProfile.load(d.profile_name)
+    params = profile.provenance.get("parameters")
+    if not params or set(TERM_NAMES) - set(params):
+        raise ValueError(f"profile {d.profile_name}: provenance has no fitted parameters; run python -m calibration.fit --write")
+    x = [params[name]["value"] for name in TERM_NAMES]
+    return efficiencies_from_vector(x, d.hardware, {
+        "source": f"the per-model fit of {d.model} (calibration/profiles/{d.profile_name}.json)",
+        "assembly": profile.provenance["inputs"]["assembly"], "measured_model": d.model})
+
+
+def field_sources(profile: LatencyProfile, carried_from: str) -> list[dict[str, Any]]:
+    """One row per numeric profile field: its kind, value and where it comes from."""
+    rows = []
+    for f in dataclasses.fields(LatencyProfile):
+        if f.name not in FIELD_KINDS:
+            continue
+        kind, how = FIELD_KINDS[f.name]
+        source = carried_from if kind in (EFFICIENCY, OVERHEAD) else ("config.json x hardware" if kind == PHYSICS
+                                                                       else "calibration.decode defaults")
+        rows.append({"field": f.name, "kind": kind, "value": getattr(profile, f.name), "how": how, "from": source})
+    return rows
