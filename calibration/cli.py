@@ -9,9 +9,10 @@ code. ``main(argv)`` runs them standalone (``python -m calibration.cli calibrate
   when ``sim.published`` is importable, otherwise from the closed form, and the output says which.
   ``--json``: a list of records (model, prompt_tokens, metric, mode, measured_ms, simulated_ms,
   rel_error, source). ``--plots DIR``: TTFT vs prompt length ON/OFF and the prefill split, per model,
-  PNG. ``--leave-one-out``: fit on one measured model, predict the other from its architecture.
+  PNG. ``--leave-one-model-out`` (alias ``--leave-one-out``): calibration.loo's report.
 * ``profile`` builds a profile for a model nobody measured from its ``config.json``, the hardware and
-  the efficiencies fitted on the measured models, and prints it (JSON) with its physical floors.
+  the efficiencies of the measured model of its kernel family, and prints it (JSON) with its physical
+  floors and calibration.trust's account of what to trust and how to replace the rest.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--source", choices=("auto", "sim", "closed-form"), default="auto",
                      help="where the simulated column comes from (auto: the simulator if importable)")
     cal.add_argument("--seed", type=int, default=0, help="simulator seed")
-    cal.add_argument("--leave-one-out", action="store_true",
-                     help="instead: fit on one measured model, predict the other's figures from its architecture")
+    cal.add_argument("--leave-one-model-out", "--leave-one-out", dest="leave_one_out", action="store_true",
+                     help="instead: fit on one measured model, predict the other's published figures from its "
+                          "config.json (closed form), and Llama-3.3-70B's vLLM PR #32553 means, which no fit saw "
+                          "(simulator); per point and median/max |error|")
     cal.add_argument("--from-bench", metavar="FILE",
                      help="instead: fit a profile from a `bidikv bench` JSONL of your own cluster")
     cal.add_argument("--base-profile", default="qwen3-32b@p5en-tp8",
@@ -210,18 +213,10 @@ def _print_table(recs: list[dict[str, Any]], profiles: dict[str, Any], refit: bo
 
 
 def _print_leave_one_out(as_json: bool) -> int:
-    from calibration.fit import leave_one_out
+    from calibration.loo import format_text, report
 
-    rows = leave_one_out()
-    print("source: closed form (calibration.fit.leave_one_out: predictions from the architecture and the "
-          "other model's fitted efficiencies)", file=sys.stderr if as_json else sys.stdout)
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    for r in rows:
-        print(f"  trained on {r['trained_on']:10} -> {r['model']:10} {r['prompt_tokens']:6d} {r['mode']:3} "
-              f"{r['metric']:8} measured {r['measured_ms']:7.1f} ms predicted {r['predicted_ms']:8.1f} ms "
-              f"{100 * r['rel_error']:+7.1f} %")
+    rep = report()
+    print(json.dumps(rep, indent=2) if as_json else format_text(rep))
     return 0
 
 
@@ -249,7 +244,9 @@ def run_profile(args: argparse.Namespace) -> int:
     for f in profile.provenance["floors"]:
         print(f"  {f['description']:38} floor {f['floor_ms']:7.1f} ms; profile {f['profile_ms']:.0f} ms "
               f"= {f['profile_over_floor']:.1f}x", file=sys.stderr)
-    print("  not measured: see calibration/README.md (leave-one-model-out) for how far to trust it", file=sys.stderr)
+    from calibration.trust import trust_report
+
+    print(trust_report(profile, args.output), file=sys.stderr)
     return 0
 
 

@@ -60,10 +60,19 @@ def test_calibrate_plots(tmp_path, capsys):
     assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
-def test_leave_one_out_json(capsys):
-    assert cli.main(["calibrate", "--leave-one-out", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 20 and {r["trained_on"] for r in rows} == {"Qwen3-32B", "GLM-5-FP8"}
+@pytest.mark.parametrize("flag", ["--leave-one-model-out", "--leave-one-out"])
+def test_leave_one_model_out_json(capsys, flag):
+    assert cli.main(["calibrate", flag, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["published"]) == 20 and {r["trained_on"] for r in rep["published"]} == {"Qwen3-32B", "GLM-5-FP8"}
+    assert {r["model"] for r in rep["heldout"]} == {"Llama-3.3-70B (TP4)", "Llama-3.3-70B (TP8)"}
+    assert {s["group"] for s in rep["summary"]} == {"transfer", "prefill/TTFT", "TPOT"}
+
+
+def test_leave_one_model_out_table(capsys):
+    assert cli.main(["calibrate", "--leave-one-model-out"]) == 0
+    out = capsys.readouterr().out
+    assert "Summary: |error| median / max" in out and "Llama-3.3-70B (TP4)" in out
 
 
 @pytest.mark.parametrize("config,tp,block", [(QWEN3_32B, 8, 16), (GLM5_FP8, 8, 64), (QWEN3_32B, 2, 16)])
@@ -74,6 +83,11 @@ def test_profile_command(write_config, capsys, config, tp, block):
     profile = json.loads(out.out)
     assert profile["tp"] == tp and profile["block_size"] == block
     assert "physical floors" in out.err
+    source = {id(QWEN3_32B): "Qwen3-32B", id(GLM5_FP8): "GLM-5-FP8"}[id(config)]
+    assert f"carried over from {source}" in out.err and "its family was measured" in out.err
+    assert "save this profile with -o PROFILE.json" in out.err
+    assert (f"bidikv calibrate --from-bench fit.jsonl --base-profile PROFILE.json --block-size {block} "
+            f"--kv-bytes-per-token {profile['kv_bytes_per_token']:.0f}") in out.err
 
 
 def test_profile_command_names_the_bad_field(write_config, capsys):
@@ -86,3 +100,4 @@ def test_profile_command_writes_file(write_config, tmp_path, capsys):
     out = tmp_path / "p.json"
     assert cli.main(["profile", "--model-config", str(write_config(QWEN3_32B)), "--tp", "8", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["kv_bytes_per_token"] == 262_144
+    assert f"--base-profile {out} " in capsys.readouterr().err

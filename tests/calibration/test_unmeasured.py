@@ -1,0 +1,131 @@
+"""Profiles for models nobody measured: which fit they carry, and how far they are off on data no fit saw.
+
+Expected values come from data (the published CSV, vLLM PR #32553's figures, the shipped Qwen3-32B
+profile), never from the code under test; the error bounds are the ones the report reaches today
+(`python -m calibration.loo`), so a change that makes prediction worse fails here.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from calibration.build import profile_from_architecture
+from calibration.fit import leave_one_out
+from calibration.heldout import CONFIG, load_heldout
+from calibration.loo import DEFAULT_SOURCE, report, summary
+from calibration.portable import ASSUMPTION, EFFICIENCY, FIELD_KINDS, OVERHEAD, PHYSICS
+from calibration.profile import LatencyProfile
+from calibration.published import load_published
+from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
+
+BF16_MOE_GQA = {  # a kernel family neither measured model has (Qwen3-30B-A3B's shape)
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def loo_report():
+    return report()
+
+
+def test_dense_bf16_model_carries_qwen3_32b_fit():
+    qwen = LatencyProfile.load("qwen3-32b@p5en-tp8")
+    llama = profile_from_architecture(CONFIG, "p5en", 8, name="Llama-3.3-70B")
+    assert llama.provenance["carried_from"].startswith("Qwen3-32B")
+    # overheads carry as Qwen3-32B's fit states them: setup and reuse per token as they are, the fixed
+    # cost per layer per forward (64 layers there, 80 here)
+    assert llama.transfer_setup_s == pytest.approx(qwen.transfer_setup_s)
+    assert llama.reuse_overhead_per_token_s == pytest.approx(qwen.reuse_overhead_per_token_s)
+    assert llama.prefill_fixed_s == pytest.approx(qwen.prefill_fixed_s * 80 / 64)
+    # efficiencies: the same fraction of peak on the new FLOP count; matmul weights per layer read off the
+    # configs (Q and O: hidden x heads*head_dim, K and V: hidden x kv_heads*head_dim, gated MLP: 3 matrices)
+    qwen_params = 64 * (5120 * 8192 + 2 * 5120 * 1024 + 8192 * 5120 + 3 * 5120 * 25600)
+    llama_params = 80 * (8192 * 8192 + 2 * 8192 * 1024 + 8192 * 8192 + 3 * 8192 * 28672)
+    assert llama.prefill_per_token_s == pytest.approx(qwen.prefill_per_token_s * llama_params / qwen_params)
+    assert llama.transfer_bytes_per_s == pytest.approx(qwen.transfer_bytes_per_s)
+    assert llama.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80  # BF16 K and V, 8 KV heads, 80 layers
+
+
+def test_family_rule(write_config):
+    glm_like = profile_from_architecture(write_config(GLM5_FP8, "glm.json"), "p5en", 8)
+    assert glm_like.provenance["carried_from"].startswith("GLM-5-FP8")
+    assert glm_like.prefill_fixed_s == pytest.approx(LatencyProfile.load("glm-5-fp8@p5en-tp8").prefill_fixed_s)
+    other = profile_from_architecture(write_config(BF16_MOE_GQA, "moe.json"), "p5en", 2)
+    assert other.provenance["carried_from"].startswith("the two-model compromise")
+    assert "BF16 MoE GQA" in other.provenance["carried_from"]
+
+
+def test_every_numeric_field_has_a_kind_and_a_source(write_config):
+    p = profile_from_architecture(write_config(QWEN3_32B), "p5en", 8)
+    rows = {r["field"]: r for r in p.provenance["fields"]}
+    assert set(rows) == set(FIELD_KINDS)
+    assert {r["kind"] for r in rows.values()} == {PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION}
+    assert all(rows[f]["value"] == getattr(p, f) for f in rows)
+    assert rows["decode_fixed_s"]["from"] == "calibration.decode defaults"
+
+
+def test_cross_family_leave_one_out_error_bounds():
+    """Qwen3-32B and GLM-5-FP8 share no kernel family: fit on one alone, predict the other's published
+    figures. Transfers carry within 76 %, prefill and TTFT only within a factor 5.4; Qwen3-32B's fit
+    under-predicts GLM-5-FP8 (its GEMMs run at 5 % of FP8 peak, Qwen's at 34 % of BF16 peak), GLM-5-FP8's
+    over-predicts Qwen3-32B."""
+    measured = {f.key: f.measured_ms for f in load_published()}
+    rows = leave_one_out()
+    assert len(rows) == 20
+    for r in rows:
+        err = r["predicted_ms"] / measured[(r["model"], r["prompt_tokens"], r["mode"], r["metric"])] - 1
+        bound = 0.76 if r["metric"] == "transfer" else 4.43
+        assert abs(err) <= bound + 0.005, r
+        if r["metric"] != "transfer":
+            assert (err < 0) == (r["trained_on"] == "Qwen3-32B"), r
+
+
+def test_same_family_heldout_model_error_bounds(loo_report):
+    """Llama-3.3-70B (vLLM PR #32553, never fitted) from Qwen3-32B's fit, through the simulator. TTFT
+    within 30 % at TP4 and 49 % at TP8 (the PR does not state TP); TPOT is first principles and too
+    fast at both (-40 % / -64 %): decode on D is not fitted on p5en."""
+    measured = {(f.mode, f.metric, f.statistic): f.measured_ms for f in load_heldout()}
+    rows = [r for r in loo_report["heldout"] if r["trained_on"] == DEFAULT_SOURCE]
+    assert len(rows) == 2 * len(measured)
+    for r in rows:
+        err = r["predicted_ms"] / measured[(r["mode"], r["metric"], r["statistic"])] - 1
+        if r["metric"] == "ttft":
+            assert abs(err) <= {4: 0.30, 8: 0.49}[r["tp"]], r
+        else:
+            assert {4: -0.45, 8: -0.68}[r["tp"]] <= err <= -0.35, r
+
+
+def test_family_rule_beats_the_other_sources_where_tp_is_likeliest(loo_report):
+    """At TP4 (where the measured TPOT and OFF TTFT both point) the same-family fit has the smallest
+    median and max TTFT error of the three sources; at TP8 it has the smallest max, not the smallest
+    median (the two-model compromise's slower GEMMs happen to match OFF there, and miss ON by +70 %)."""
+    groups = {(s["trained_on"], s["model"]): s for s in summary(loo_report["heldout"]) if s["group"] == "prefill/TTFT"}
+    sources = {t for t, _ in groups}
+    assert sources == {DEFAULT_SOURCE, "GLM-5-FP8 fit", "two-model compromise"}
+    tp4 = {t: groups[(t, "Llama-3.3-70B (TP4)")] for t in sources}
+    tp8 = {t: groups[(t, "Llama-3.3-70B (TP8)")] for t in sources}
+    assert min(tp4, key=lambda t: tp4[t]["median_abs_error"]) == DEFAULT_SOURCE
+    assert min(tp4, key=lambda t: tp4[t]["max_abs_error"]) == DEFAULT_SOURCE
+    assert min(tp8, key=lambda t: tp8[t]["max_abs_error"]) == DEFAULT_SOURCE
+
+
+def test_summary_statistics():
+    rows = [{"trained_on": "a", "model": "m", "metric": "ttft", "rel_error": e} for e in (0.1, -0.3, 0.2)]
+    (s,) = summary(rows)
+    assert s["points"] == 3 and s["median_abs_error"] == pytest.approx(statistics.median([0.1, 0.3, 0.2]))
+    assert s["max_abs_error"] == pytest.approx(0.3) and s["min_error"] == pytest.approx(-0.3)
+
+
+def test_heldout_csv_errors_name_the_field(tmp_path):
+    path = tmp_path / "h.csv"
+    path.write_text("model,mode,metric,statistic,measured_ms\nX,on,ttft,mean,1\n")
+    with pytest.raises(ValueError, match="requests"):
+        load_heldout(path)
+    path.write_text("model,mode,metric,statistic,measured_ms,requests\nX,on,itl,mean,1,3\n")
+    with pytest.raises(ValueError, match="metric"):
+        load_heldout(path)
