@@ -60,7 +60,7 @@ class TurnComparison:
         return (self.sim_tpot_s - self.real_tpot_s) / self.real_tpot_s if self.real_tpot_s > 0 else math.nan
 
 
-TIMINGS = ("think", "absolute")
+TIMINGS = ("think", "absolute", "pool")
 
 
 def conversations_from_bench(records: Sequence[BenchRecord], timing: str = "think") -> list[Conversation]:
@@ -71,8 +71,14 @@ def conversations_from_bench(records: Sequence[BenchRecord], timing: str = "thin
       think time the client really slept (recorded start - previous start - previous total). This is
       what the bench client does, and what decides expiry: D's TTL runs from *its* finish, so a
       replay at absolute times would expire a turn whenever the simulator finished the previous one
-      earlier than the real, loaded machine did;
-    * ``absolute``: each turn at its recorded start (or when the simulated previous one finishes, if later).
+      earlier than the real, loaded machine did. First turns keep their recorded starts, so the
+      simulated timeline drifts from the real one by at most one conversation's error, never by the
+      whole run's: which turns collide on P stays what it was;
+    * ``absolute``: each turn at its recorded start (or when the simulated previous one finishes, if later);
+    * ``pool``: as ``think``, but every conversation starts when a client of the pool is free (the bench
+      client's rule, :func:`bench_clients`): the run's drift accumulates across conversations, so two turns
+      that followed each other on P can collide in the replay (measured on a pinned quiet rig: a pulled
+      turn of 222 ms queued behind another's 800-token prefill and replayed at 1,100 ms).
     """
     if timing not in TIMINGS:
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
@@ -136,9 +142,9 @@ def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: De
            contention: HostContention = HostContention(), timing: str = "think") -> list[TurnRecord]:
     """The simulator's records of the same conversations (see :func:`conversations_from_bench`).
 
-    With ``think`` timing the conversations run as the bench ran them: a pool of as many clients as it
-    had (:func:`bench_clients`), each taking the next conversation when its last one ends, in the
-    recorded order; with ``absolute`` timing each conversation starts at its recorded start."""
+    With ``pool`` timing the conversations run on a pool of as many clients as the bench had
+    (:func:`bench_clients`), each taking the next conversation when its last one ends, in the recorded
+    order; otherwise each conversation starts at its recorded start."""
     from sim.cluster import Cluster
 
     modes = {r.mode for r in records}
@@ -146,7 +152,7 @@ def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: De
         raise ValueError(f"a replay is one deployment: the records mix modes {sorted(modes)}")
     config = sim_config(settings, profile, modes == {"on"})
     conversations = conversations_from_bench(records, timing)
-    if timing == "think":
+    if timing == "pool":
         config.num_clients = bench_clients(records)
         conversations = [dataclasses.replace(c, start_s=0.0) for c in conversations]
     cluster = Cluster(config, profile)

@@ -31,10 +31,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threshold", type=int, default=None, help="override every run's kv_recompute_threshold")
     p.add_argument("--ttl", type=float, default=None, help="override every run's decoder_kv_blocks_ttl (s)")
     p.add_argument("--bucket-tokens", type=int, default=512, help="prompt bucket width for the tables (default: %(default)s)")
-    p.add_argument("--timing", choices=("think", "absolute"), default="think",
-                   help="think: each later turn follows the simulated previous one by the think time the client "
-                        "slept (what the bench client does; D's TTL runs from its finish); absolute: at the recorded "
-                        "starts (default: %(default)s)")
+    p.add_argument("--timing", choices=("think", "absolute", "pool"), default="think",
+                   help="think: each conversation from its recorded start, each later turn after the simulated "
+                        "previous one by the think time the client slept (what the bench client does; D's TTL runs "
+                        "from its finish); absolute: every turn at its recorded start; pool: as think, but each "
+                        "conversation when a client of the bench's pool is free (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON (fit report, per-run summaries and turns)")
     p.add_argument("--output-profile", metavar="JSON", help="write the fitted profile here")
     add_bench_fit_flags(p)

@@ -104,6 +104,7 @@ class Process:
     log_path: Path
     health_path: str = "/health"
     proc: subprocess.Popen | None = None
+    cpus: frozenset[int] | None = None  # CPU affinity of the whole process tree (None: wherever the OS puts it)
     started_at: float = 0.0
     healthy_after_s: float | None = None
 
@@ -117,9 +118,15 @@ class Process:
         log.write(f"$ {' '.join(self.cmd)}\n".encode())
         log.flush()
         self.started_at = time.monotonic()
+        cpus = self.cpus
+
+        def before_exec() -> None:
+            _session_leader_dying_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # inherited by the engine core and worker it forks
+
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_session_leader_dying_with_parent,
-                                     cwd=str(REPO))
+                                     stdin=subprocess.DEVNULL, preexec_fn=before_exec, cwd=str(REPO))
         log.close()
         _LIVE.append(self)
 
@@ -273,6 +280,11 @@ class DeploymentSpec:
     prefill_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags for P only
     max_model_len: int = 2048
     decode_env: dict[str, str] = field(default_factory=dict)
+    # CPU pinning (measurements only: the test suite leaves placement to the OS). On this 2-core machine
+    # the latency recordings pin P to core 0 and D to core 1, so P's prefill and D's decode never share a core.
+    prefill_cpus: frozenset[int] | None = None
+    decode_cpus: frozenset[int] | None = None
+    router_cpus: frozenset[int] | None = None
 
 
 @dataclass
@@ -304,11 +316,14 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
         "kv_producer", p_extra, recompute_on_failure=True), spec.max_model_len) + spec.prefill_args, server_env(p_side, {**spec.env, **spec.prefill_env}), log_dir / "prefill.log")
     decode = Process("decode", d_port, vllm_cmd(model_dir, d_port, kv_transfer_config(
         "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
+    prefill.cpus, decode.cpus = spec.prefill_cpus, spec.decode_cpus
     reference = None
     if spec.reference:
         reference = Process("reference", ref_port, vllm_cmd(model_dir, ref_port, None, spec.max_model_len), server_env(None, spec.env),
                             log_dir / "reference.log")
     router = router_process(prefill.url, decode.url, spec, log_dir, port=r_port) if spec.router else None
+    if router is not None:
+        router.cpus = spec.router_cpus
     deployment = Deployment(prefill, decode, reference, router, spec, log_dir)
     try:
         servers = [p for p in (prefill, decode, reference) if p is not None]

@@ -1,23 +1,27 @@
-"""Record the bench runs ``bidikv validate`` checks the simulator against: two deployments, five runs.
+"""Record the bench runs ``bidikv validate`` checks the simulator against: four deployments, eight runs.
 
     .venv/bin/python -m tests.e2e.record_validate --out-dir /tmp/validate
 
-Deployment ON (bidirectional, a short ``decoder_kv_blocks_ttl`` so that some turns outlive D's
-blocks) and deployment OFF (TTL 480), both as ``tests/e2e/measure_on_off.py`` builds them (h512/l8
-float32 model, P without prefix caching). On each, one throwaway warm-up bench (the first NIXL
-handshakes are slow), then the runs below; each JSONL gets a ``<name>.deployment.json`` beside it with
-the settings the simulator must be told (threshold, TTL, block size, KV bytes per token, ON/OFF), and
-``uptime`` before and after, so a reader knows the load it ran under.
+Every deployment is built as ``tests/e2e/measure_on_off.py`` builds it (h512/l8 float32 model, P without
+prefix caching) and, on a machine with at least two cores, pins P to core 0 and D to core 1 (``--no-pin``
+leaves placement to the OS); the router and the bench client run wherever the OS puts them. On each, one
+throwaway warm-up bench (the first NIXL handshakes are slow), then its runs; each JSONL gets a
+``<name>.deployment.json`` beside it with the settings the simulator must be told (threshold, TTL, block
+size, KV bytes per token, ON/OFF), the pinning, and ``uptime`` before and after, so a reader knows the
+load it ran under.
 
-    run       deployment  seed  concurrency  gap scale   why
-    on-c1     ON          7     1            0.01        fit: pulls at one turn at a time
-    on-c2a    ON          9     2            0.01        fit: two sequences decode together (decode per-seq term)
-    on-c2     ON          8     2            0.03        held out: longer gaps (turns expire), two at once
-    off-c1    OFF         7     1            0.01        bidirectional OFF: the whole history recomputed
-    off-c2    OFF         9     2            0.01        OFF, two at once
+    run         deployment             seed  concurrency  gap scale   why
+    on-c1       ON  thr 64  TTL 10 s   7     1            0.01        fit: pulls at one turn at a time
+    on-c2a      ON  thr 64  TTL 10 s   9     2            0.01        fit: two sequences decode together
+    on-c2       ON  thr 64  TTL 10 s   8     2            0.03        held out: longer gaps, some turns expire
+    on-c3       ON  thr 64  TTL 10 s   10    3            0.01        held out: another concurrency
+    t512-c2     ON  thr 512 TTL 10 s   8     2            0.03        held out: another threshold
+    ttl30-c2    ON  thr 64  TTL 30 s   8     2            0.03        held out: a TTL no gap outlives
+    off-c1      OFF                    7     1            0.01        held out: the whole history recomputed
+    off-c2      OFF                    8     2            0.03        held out: OFF on on-c2's workload
 
-``--only on`` starts only the ON deployment (its three runs); the CPU budget of a shared machine may
-allow only that.
+on-c2, t512-c2, ttl30-c2 and off-c2 are one workload under four configurations: the ranking the
+simulator must reproduce. ``--only NAME`` starts only that deployment.
 
 Not part of the e2e test suite (no ``test_`` prefix): it runs for tens of minutes on a 2-core machine.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,16 +38,14 @@ from pathlib import Path
 
 from tests.e2e.deployment import BLOCK_SIZE, NUM_KV_BLOCKS, DeploymentSpec, start_deployment
 from tests.e2e.measure_on_off import WORKLOAD_TOML, _warmup_config, bench
-from tests.e2e.tiny_model import build_tiny_model
+from tests.e2e.tiny_model import build_tiny_model, kv_bytes_per_token
 
-# (name, mode, seed, concurrency, gap_scale)
+# deployment name -> (bidirectional, kv_recompute_threshold, decoder_kv_blocks_ttl)
+DEPLOYMENTS = {"on": (True, 64, 10.0), "t512": (True, 512, 10.0), "ttl30": (True, 64, 30.0), "off": (False, 64, 480.0)}
+# (name, deployment, seed, concurrency, gap_scale)
 RUNS = (("on-c1", "on", 7, 1, 0.01), ("on-c2a", "on", 9, 2, 0.01), ("on-c2", "on", 8, 2, 0.03),
-        ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 9, 2, 0.01))
-
-
-def kv_bytes_per_token(hidden: int, layers: int) -> int:
-    """K and V, every layer, float32: build_tiny_model's kv heads (hidden // 32) x head_dim 32."""
-    return layers * 2 * max(hidden // 32, 1) * 32 * 4
+        ("on-c3", "on", 10, 3, 0.01), ("t512-c2", "t512", 8, 2, 0.03), ("ttl30-c2", "ttl30", 8, 2, 0.03),
+        ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 8, 2, 0.03))
 
 
 def _uptime() -> str:
@@ -56,43 +59,52 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=8, help="messages per conversation (requests = messages / 2)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--threshold", type=int, default=64, help="kv_recompute_threshold (vLLM's default 64)")
-    # 10 s leaves 5 s of usable window after vLLM's 5 s expiry margin: with the held-out run's gaps
-    # (x0.03: median ~3.8 s) about a third of its turns arrive too late, with the fit run's (x0.01) few do
-    ap.add_argument("--on-ttl-s", type=float, default=10.0, help="decoder_kv_blocks_ttl of the ON deployment")
-    ap.add_argument("--only", choices=("on", "off"), default=None, help="start only this deployment")
+    ap.add_argument("--only", choices=sorted(DEPLOYMENTS), action="append", default=None,
+                    help="start only this deployment (repeatable)")
+    ap.add_argument("--no-pin", action="store_true", help="leave P and D wherever the OS puts them")
+    ap.add_argument("--idle-step-sleep-s", type=float, default=None,
+                    help="bidikv_idle_step_sleep_s on P and D (default: the connector's 5 s). While D holds blocks "
+                         "its engine steps once per this interval, and after every step vLLM's worker spins a core "
+                         "for ~1 s (the shm reader's busy loop): on a 2-core rig a turn landing in such a second is "
+                         "slowed. 30 (the most the connector allows) makes those seconds rare")
     args = ap.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     model = build_tiny_model(out / f"model-h{args.hidden}-l{args.layers}", hidden_size=args.hidden,
                              num_hidden_layers=args.layers)
-    for mode in ("on", "off"):
-        if args.only and mode != args.only:
+    for deployment, (bidirectional, threshold, ttl) in DEPLOYMENTS.items():
+        if args.only and deployment not in args.only:
             continue
-        ttl = args.on_ttl_s if mode == "on" else 480.0
-        spec = DeploymentSpec(threshold=args.threshold, decoder_ttl_s=ttl, reference=False, router=True,
-                              prefill_extra={"bidirectional_kv_xfer": mode == "on"},
-                              decode_extra={"bidirectional_kv_xfer": mode == "on"},
-                              prefill_args=["--no-enable-prefix-caching"], max_model_len=4096)
+        mode = "on" if bidirectional else "off"
+        extra: dict[str, object] = {"bidirectional_kv_xfer": bidirectional}
+        if args.idle_step_sleep_s is not None:
+            extra["bidikv_idle_step_sleep_s"] = args.idle_step_sleep_s
+        spec = DeploymentSpec(threshold=threshold, decoder_ttl_s=ttl, reference=False, router=True,
+                              prefill_extra=dict(extra), decode_extra=dict(extra),
+                              prefill_args=["--no-enable-prefix-caching"], max_model_len=4096,
+                              prefill_cpus=frozenset({0}) if pin else None, decode_cpus=frozenset({1}) if pin else None)
         started = time.monotonic()
-        dep = start_deployment(model, out / f"logs-{mode}", spec)
+        dep = start_deployment(model, out / f"logs-{deployment}", spec)
         try:
-            print(f"[{mode}] up in {time.monotonic() - started:.0f} s; {_uptime()}", flush=True)
-            bench(dep.router.url, mode, _warmup_config(out, 1000), out / f"warmup-{mode}.jsonl", 1, 0.01)
-            for name, run_mode, seed, concurrency, gap in RUNS:
-                if run_mode != mode:
+            print(f"[{deployment}] up in {time.monotonic() - started:.0f} s; {_uptime()}", flush=True)
+            bench(dep.router.url, mode, _warmup_config(out, 1000), out / f"warmup-{deployment}.jsonl", 1, 0.01)
+            for name, run_deployment, seed, concurrency, gap in RUNS:
+                if run_deployment != deployment:
                     continue
                 config = out / f"{name}.toml"
                 config.write_text(WORKLOAD_TOML.format(seed=seed, conversations=args.conversations,
                                                        messages=args.messages))
                 before = _uptime()
                 summary = bench(dep.router.url, mode, config, out / f"{name}.jsonl", concurrency, gap)
-                settings = {"mode": mode, "bidirectional": mode == "on", "kv_recompute_threshold": args.threshold,
+                settings = {"mode": mode, "bidirectional": bidirectional, "kv_recompute_threshold": threshold,
                             "decoder_kv_blocks_ttl": ttl, "block_size": BLOCK_SIZE,
                             "kv_bytes_per_token": kv_bytes_per_token(args.hidden, args.layers),
                             "decode_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8,  # deployment.vllm_cmd's
                             "prefix_caching_on_p": False, "concurrency": concurrency, "gap_scale": gap, "seed": seed,
                             "model": f"tiny h{args.hidden} l{args.layers} float32",
+                            "pinning": "P core 0, D core 1, router and client unpinned" if pin else "none",
+                            "idle_step_sleep_s": args.idle_step_sleep_s if args.idle_step_sleep_s is not None else 5.0,
                             "uptime_before": before, "uptime_after": _uptime()}
                 (out / f"{name}.deployment.json").write_text(json.dumps(settings, indent=2) + "\n")
                 print(f"[{name}] {settings['uptime_before']} -> {settings['uptime_after']}\n{summary}", flush=True)

@@ -120,6 +120,12 @@ def build_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
+def kv_bytes_per_token(hidden_size: int = 64, num_hidden_layers: int = 2) -> int:
+    """KV bytes per token of :func:`build_tiny_model`'s model: K and V, every layer, float32, its kv heads
+    (hidden // 32) x head_dim 32."""
+    return num_hidden_layers * 2 * max(hidden_size // 32, 1) * 32 * 4
+
+
 def build_tiny_model(out: Path, seed: int = 1234, max_position_embeddings: int = 4096, hidden_size: int = 64,
                      num_hidden_layers: int = 2) -> Path:
     """Build (idempotently) the model directory ``out`` and return it. The defaults make the tests'

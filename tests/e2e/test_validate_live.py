@@ -1,0 +1,74 @@
+"""``bidikv validate`` against the real CPU deployment, as a user runs it: bench a fit run and a held-out
+run through the router, write each run's ``deployment.json``, then ``bidikv validate --fit A --bench B``.
+
+The decisions (pulled or not, and how many tokens) are the deployment's: the router's offer and P's
+report in each bench record. The simulator must reproduce every one of them exactly. TTFT and TPOT
+on the shared deployment (a 2-layer model whose prefill costs milliseconds, three vLLM servers and the
+router on two unpinned cores, the rest of the suite's state around it) are bounded loosely: the
+issue's 15 % target is measured on a quiet, pinned rig by ``tests/e2e/record_validate.py`` and
+reported in the README; here the bound catches a replay that has lost the deployment's shape
+(measured on this machine: see the asserts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from tests.e2e.conftest import DECODER_TTL_S, E2E, THRESHOLD
+from tests.e2e.deployment import BLOCK_SIZE, NUM_KV_BLOCKS, REPO
+from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE, kv_bytes_per_token
+
+WORKLOAD_TOML = """\
+seed = {seed}
+
+[workload]
+kind = "synthetic"
+num_conversations = 3
+messages_per_conversation = {{ kind = "constant", value = 8 }}
+common_prefix_tokens = {{ kind = "constant", value = 64 }}
+conversation_prefix_tokens = {{ kind = "uniform_int", low = 100, high = 300 }}
+user_tokens = {{ kind = "uniform_int", low = 20, high = 40 }}
+output_tokens = {{ kind = "constant", value = 32 }}
+"""
+
+
+def _bench(e2e: E2E, tmp_path: Path, name: str, concurrency: int) -> Path:
+    config = tmp_path / f"{name}.toml"
+    config.write_text(WORKLOAD_TOML.format(seed=uuid.uuid4().int % 1_000_000))  # prompts no earlier run shares
+    out = tmp_path / f"{name}.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "impl.cli", "bench", "--url", e2e.router, "--mode", "on", "--config", str(config),
+         "--out", str(out), "--concurrency", str(concurrency), "--gap-scale", "0.01",
+         "--token-id-low", str(FIRST_ORDINARY_ID), "--token-id-high", str(VOCAB_SIZE)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # what the simulator must be told and a bench record does not say (calibration.bench_settings)
+    (tmp_path / f"{name}.deployment.json").write_text(json.dumps({
+        "bidirectional": True, "kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": DECODER_TTL_S,
+        "block_size": BLOCK_SIZE, "kv_bytes_per_token": kv_bytes_per_token(), "decode_kv_blocks": NUM_KV_BLOCKS,
+        "max_num_seqs": 8, "prefix_caching_on_p": False}))
+    return out
+
+
+def test_validate_replays_a_held_out_run_of_the_deployment(e2e: E2E, tmp_path: Path):
+    fit = _bench(e2e, tmp_path, "fit", concurrency=1)
+    held_out = _bench(e2e, tmp_path, "held-out", concurrency=2)
+    run = subprocess.run([sys.executable, "-m", "impl.cli", "validate", "--fit", str(fit), "--bench", str(held_out),
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    summary = report["runs"][str(held_out)]["summary"]
+    print("\n" + json.dumps({k: summary[k] for k in ("turns", "decisions_agree", "pulled_tokens", "decision_matrix",
+                                                     "overall")}, indent=1))
+    assert summary["turns"] == 12
+    # every later turn was offered D's blocks and P pulled what it verified: decisions and tokens exact
+    assert summary["decisions_agree"] == summary["pulled_tokens_agree"] == summary["turns"], summary["decision_matrix"]
+    assert summary["decision_matrix"]["pulled"] == {"pulled": 9}
+    assert summary["pulled_tokens"]["real"] == summary["pulled_tokens"]["sim"] > 0
+    ttft, tpot = summary["overall"]["ttft"], summary["overall"]["tpot"]
+    assert ttft["median_abs_pct"] < 60, ttft
+    assert tpot["median_abs_pct"] < 60, tpot
