@@ -58,8 +58,7 @@ class Cluster:
             self.decode.append(DecodeNode(env, f"d{i}", profile, decode_blocks, topo.max_num_seqs, pol.retention_policy(),
                                           pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
                                           self.interconnect, self.router.on_decode_finish))
-        self.router._decode_by_name.update({d.name: d for d in self.decode})
-        self.router._d_snaps = [None] * len(self.decode)
+        self.router.add_decode(self.decode)
         self._conversations: dict[tuple[str, str], Conversation] = {}
         self._turn_index: dict[tuple[str, str], int] = {}
         if pol.retention == "oracle":

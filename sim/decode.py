@@ -69,6 +69,9 @@ class DecodeNode:
         self.running: list[_Seq] = []
         self.running_blocks = 0
         self.arriving_blocks = 0
+        # the router's: this node adds itself when what placement reads changes (the running sequences,
+        # running + arriving blocks)
+        self.load_dirty: set[DecodeNode] = set()
         self.retained = RetainedPool()
         # key -> (tokens, revision, finished_at, turn): "turn" is the conversation's turn whose prompt + output they hold
         self._retained_meta: dict[Any, tuple[int, int, float, int]] = {}
@@ -164,6 +167,7 @@ class DecodeNode:
                 return
             self._waiting_blocks.popleft()
             self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
+            self.load_dirty.add(self)
             event.succeed()
 
     # -- D->P reads of retained blocks -------------------------------------------------------------
@@ -220,6 +224,7 @@ class DecodeNode:
         hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
+        self.load_dirty.add(self)
         needed = self._blocks_for(n) - hit_blocks
         arrived_at = env.now
         if needed + hit_blocks > self.capacity:
@@ -290,6 +295,9 @@ class DecodeNode:
         """Start the next segment, or wait idle for a sequence to join."""
         env, profile = self.env, self.profile
         bs = profile.block_size
+        # everything that changes the running sequences or their blocks (joins, growth, a segment's end,
+        # finishes, preemption) runs in here or just before it, before any placement can read them
+        self.load_dirty.add(self)
         while True:
             if not self.running and not self._joining:
                 self._wake = env.event()

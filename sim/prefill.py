@@ -104,6 +104,7 @@ class PrefillNode:
         self._queue: collections.deque[_Job] = collections.deque()
         self._wake: simpy.Event | None = None
         self.queued_tokens = 0
+        self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
         self._idle()
 
@@ -182,6 +183,7 @@ class PrefillNode:
         job = _Job(new_tokens, context, done, self.env.now, self.profile.pull_hidden_s() if reused else 0.0)
         self._queue.append(job)
         self.queued_tokens += new_tokens
+        self.load_dirty.add(self)
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
         return job
@@ -232,6 +234,7 @@ class PrefillNode:
             job.remaining -= take
             job.context += take
             self.queued_tokens -= take
+        self.load_dirty.add(self)
         finished = []
         while queue and queue[0].remaining <= 0:
             finished.append(queue.popleft())

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generator
 
 import simpy
 
-from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, PlacementRequest
+from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, LeastLoaded, LeastLoadedIndex, PlacementRequest
 
 if TYPE_CHECKING:
     from sim.workload.model import Lineage
@@ -46,8 +46,6 @@ class Router:
                  bidirectional: bool, prefix_caching: bool) -> None:
         self.env = env
         self.prefill = prefill
-        self.decode = decode
-        self._decode_by_name = {d.name: d for d in decode}
         self._prefill_by_name = {p.name: p for p in prefill}
         self.store = store
         self.p_placement, self.d_placement = p_placement, d_placement
@@ -57,7 +55,29 @@ class Router:
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
         self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
-        self._d_snaps: list[InstanceLoad | None] = []  # sized once the cluster has added its decode nodes
+        self._d_snaps: list[InstanceLoad | None] = []
+        # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
+        # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
+        self._p_index = self._d_index = None
+        self._p_dirty: set[PrefillNode] = set()
+        self._d_dirty: set[DecodeNode] = set()
+        if type(p_placement) is LeastLoaded:
+            self._p_index = LeastLoadedIndex([InstanceLoad(p.name) for p in prefill])
+            for p in prefill:
+                p.load_dirty = self._p_dirty
+                self._p_dirty.add(p)
+        self.add_decode(decode)
+
+    def add_decode(self, decode: list["DecodeNode"]) -> None:
+        """The decode nodes (built after the router: they report to it when a turn finishes)."""
+        self.decode = decode
+        self._decode_by_name = {d.name: d for d in decode}
+        self._d_snaps = [None] * len(decode)
+        if type(self.d_placement) is LeastLoaded and decode:
+            self._d_index = LeastLoadedIndex([InstanceLoad(d.name, total_blocks=d.capacity) for d in decode])
+            for d in decode:
+                d.load_dirty = self._d_dirty
+                self._d_dirty.add(d)
 
     def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int,
                lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
@@ -85,17 +105,37 @@ class Router:
         if self.prefix_caching and key in self._last_prefill:
             cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
         p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
-        p_name = self.p_placement.pick(self._p_loads(), p_req, self.rng)
+        p_name = self._pick_p(p_req)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
         yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage)
         self._last_prefill[key] = (p_name, n)
         d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
-        d_name = self.d_placement.pick(self._d_loads(), d_req, self.rng)
+        d_name = self._pick_d(d_req)
         rec.decode_instance = d_name
         yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage)
 
-    # -- load snapshots for placement --------------------------------------------------------------
+    # -- placement -------------------------------------------------------------------------------
+    def _pick_p(self, request: PlacementRequest) -> str:
+        index = self._p_index
+        if index is None:
+            return self.p_placement.pick(self._p_loads(), request, self.rng)
+        for p in self._p_dirty:
+            index.update(InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens))
+        self._p_dirty.clear()
+        return index.pick(self.rng)
+
+    def _pick_d(self, request: PlacementRequest) -> str:
+        index = self._d_index
+        if index is None:
+            return self.d_placement.pick(self._d_loads(), request, self.rng)
+        for d in self._d_dirty:  # LeastLoaded reads neither retained blocks nor the request
+            index.update(InstanceLoad(d.name, running_requests=len(d.running),
+                                      used_blocks=d.running_blocks + d.arriving_blocks, total_blocks=d.capacity))
+        self._d_dirty.clear()
+        return index.pick(self.rng)
+
+    # -- load snapshots for the other placement policies -------------------------------------------
     # Building a frozen InstanceLoad per node per turn was most of a 64P64D run, so a node's snapshot
     # is rebuilt only when what it reports changed (equal values: the policy sees the same loads).
     def _p_loads(self) -> list[InstanceLoad]:

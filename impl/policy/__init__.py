@@ -16,7 +16,15 @@ here and nowhere else.
 """
 
 from impl.policy.continuation import ItemsPrompt, PromptView, canonical_messages, continues, sequence_digest
-from impl.policy.placement import InstanceLoad, KVAwareCost, LeastLoaded, PlacementPolicy, PlacementRequest, RoundRobin
+from impl.policy.placement import (
+    InstanceLoad,
+    KVAwareCost,
+    LeastLoaded,
+    LeastLoadedIndex,
+    PlacementPolicy,
+    PlacementRequest,
+    RoundRobin,
+)
 from impl.policy.pressure import BlockHolder, RetainedPool, VictimChoice, choose_victims
 from impl.policy.recompute import (
     BreakEvenThreshold,
@@ -34,7 +42,7 @@ from impl.policy.store import ConversationEntry, ConversationStore, Lookup, Miss
 __all__ = [
     "BlockHolder", "BreakEvenThreshold", "ConversationEntry", "ConversationStore", "DecisionReason",
     "FixedTTL", "FixedThreshold", "GapQuantileTTL", "HeartbeatLease", "InstanceLoad", "ItemsPrompt",
-    "KVAwareCost", "KVCostModel", "LeastLoaded", "Lookup", "MissReason", "PlacementPolicy",
+    "KVAwareCost", "KVCostModel", "LeastLoaded", "LeastLoadedIndex", "Lookup", "MissReason", "PlacementPolicy",
     "PlacementRequest", "PromptView", "PullCandidate", "RecomputeDecision", "RecomputePolicy",
     "RetainedPool", "RetentionPolicy", "RoundRobin", "TransferPath", "VictimChoice",
     "canonical_messages", "choose_victims", "continues", "sequence_digest",

@@ -8,6 +8,7 @@ wins unless it is much busier. Ties go to a random choice from the caller's ``rn
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -80,8 +81,48 @@ class RoundRobin:
 class LeastLoaded:
     """Fewest queued prefill tokens, then fewest used blocks, then fewest running requests."""
 
+    @staticmethod
+    def key(inst: InstanceLoad) -> tuple[int, float, int]:
+        return inst.queued_prefill_tokens, inst.used_blocks / inst.total_blocks, inst.running_requests
+
     def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
-        return _argmin(instances, lambda i: (i.queued_prefill_tokens, i.used_blocks / i.total_blocks, i.running_requests), rng)
+        return _argmin(instances, self.key, rng)
+
+
+class LeastLoadedIndex:
+    """:class:`LeastLoaded`'s choice kept up to date as loads change, for callers that see many instances
+    and few changes per choice: O(log n) per change instead of O(n) per pick. ``pick`` returns what
+    ``LeastLoaded().pick`` returns for the instances in their order at construction, with their latest
+    loads (the same tie set, in the same order, so the same ``rng`` draw)."""
+
+    def __init__(self, instances: Sequence[InstanceLoad]) -> None:
+        self._position = {inst.name: i for i, inst in enumerate(instances)}
+        if len(self._position) != len(instances):
+            raise ValueError("instance names must be unique")
+        # (key, position, name) of every healthy instance, sorted: ties on the key are adjacent, in order
+        self._sorted: list[tuple[tuple[int, float, int], int, str]] = []
+        self._entry: dict[str, tuple[tuple[int, float, int], int, str]] = {}
+        for inst in instances:
+            self.update(inst)
+
+    def update(self, inst: InstanceLoad) -> None:
+        """``inst`` is the instance's load now (replacing what the index held for its name)."""
+        old = self._entry.pop(inst.name, None)
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        if inst.healthy:
+            entry = self._entry[inst.name] = (LeastLoaded.key(inst), self._position[inst.name], inst.name)
+            bisect.insort(self._sorted, entry)
+
+    def pick(self, rng: random.Random) -> str | None:
+        entries = self._sorted
+        if not entries:
+            return None
+        best = entries[0][0]
+        if len(entries) == 1 or entries[1][0] != best:
+            return entries[0][2]
+        ties = bisect.bisect_left(entries, (best, len(self._position)))  # every position is below this
+        return entries[rng.randrange(ties)][2]
 
 
 @dataclass(frozen=True, slots=True)
