@@ -16,7 +16,8 @@ from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.efficiencies import HardwareEfficiencies, load_efficiencies
 from calibration.floors import floor_rows
 from calibration.hardware import Hardware, load_hardware
-from calibration.portable import field_sources, kernel_family, measured_efficiencies, nearest_measured
+from calibration.portable import carried_efficiencies, field_sources, kernel_family
+from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
 
 DEFAULT_FLOOR_PROMPTS = (2048, 24576)
@@ -42,15 +43,16 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
                               user_tokens: int = 140) -> LatencyProfile:
     """A profile for a model nobody measured: its architecture with efficiencies fitted elsewhere.
 
-    ``efficiencies`` defaults to those of the measured model of the same kernel family on ``hardware``
-    (calibration.portable.nearest_measured: its own per-model fit), else to the two-model compromise
-    (``calibration/data/<hardware>_efficiencies.json``). The provenance says which, field by field.
+    ``efficiencies`` defaults, on the hardware the measured models ran on, to calibration.portable's
+    carried fit (engine overheads from both measured models, prefill terms from the same kernel family
+    or the compromise), elsewhere to ``calibration/data/<hardware>_efficiencies.json``. The provenance
+    says which, field by field.
     """
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     arch = architecture_from_config_file(config_path, kv_cache_dtype=kv_cache_dtype, name=name)
-    eff, carried_from = _default_efficiencies(arch, hw) if efficiencies is None else (
+    eff, carried_from, same_family = _default_efficiencies(arch, hw) if efficiencies is None else (
         efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies),
-        f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})")
+        f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})", False)
     model = name or arch.name
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
@@ -67,16 +69,15 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         "efficiencies_source": eff.provenance.get("source", "given"),
         "kernel_family": kernel_family(arch).describe(),
         "carried_from": carried_from,
+        "same_family_fit": same_family,
         "fields": field_sources(profile, carried_from),
         "floors": floor_rows(profile, arch, hw, list(DEFAULT_FLOOR_PROMPTS), user_tokens),
     }
     return dataclasses.replace(profile, provenance=provenance)
 
 
-def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str]:
-    """The same-family measured model's fit on this hardware, else the two-model compromise."""
-    match = nearest_measured(arch)
-    if match is not None and match.hardware == hw.key:
-        return measured_efficiencies(match.model), f"{match.model} ({kernel_family(arch).describe()}, its own fit)"
-    return load_efficiencies(hw.key), (f"the two-model compromise ({hw.key}: no measured model is "
-                                       f"{kernel_family(arch).describe()})")
+def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str, bool]:
+    """The carried fit on the hardware the measured models ran on, else that hardware's efficiencies file."""
+    if hw.key in {d.hardware for d in MEASURED}:
+        return carried_efficiencies(arch)
+    return load_efficiencies(hw.key), f"{hw.key}'s efficiencies (calibration/data/{hw.key}_efficiencies.json)", False

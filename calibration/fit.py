@@ -202,6 +202,34 @@ class FitResult:
                 for f, p, e in zip(self.figures, self.fitted_ms, self.rel_errors)]
 
 
+def solve_log_ratio(ms: np.ndarray, rhs: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Predicted / measured = 1 + ms z - rhs: the least-squares z on the log ratio (z >= lo), the
+    minimax z and its max |relative error| (the smallest any z >= lo reaches; nan if the LP fails)."""
+    from scipy.optimize import least_squares, linprog, lsq_linear
+
+    hi = np.full(len(lo), np.inf)
+    start = lsq_linear(ms, rhs, bounds=(lo, hi), method="bvls").x  # relative errors: linear, exact
+
+    def log_ratio(z: np.ndarray) -> np.ndarray:  # log(predicted / measured)
+        return np.log(np.maximum(1.0 + ms @ z - rhs, 1e-12))
+
+    def jac(z: np.ndarray) -> np.ndarray:
+        return ms / np.maximum(1.0 + ms @ z - rhs, 1e-12)[:, None]
+
+    sol = least_squares(log_ratio, np.maximum(start, lo), jac=jac, bounds=(lo, hi), method="trf",
+                        x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12)
+    z = np.where(sol.x - lo <= 1e-9 * np.maximum(1.0, np.abs(lo)), lo, sol.x)  # snap solver dust to the bound
+    # minimax: min e  s.t. |ms z - rhs| <= e, z >= lo
+    k, n = len(lo), len(rhs)
+    cost = np.r_[np.zeros(k), 1.0]
+    a_ub = np.block([[ms, -np.ones((n, 1))], [-ms, -np.ones((n, 1))]])
+    b_ub = np.r_[rhs, -rhs]
+    lp = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[(v, None) for v in lo] + [(0, None)], method="highs")
+    if not lp.success:
+        return z, z, float("nan")
+    return z, lp.x[:k], float(lp.x[-1])
+
+
 def fit(models: Sequence[str], *, figures: Sequence[PublishedFigure] | None = None,
         shape: BenchmarkShape = BenchmarkShape(), assembly: Assembly = SHIPPED_ASSEMBLY,
         fixed: dict[str, float] | None = None, objective: str = "lsq") -> FitResult:
@@ -211,8 +239,6 @@ def fit(models: Sequence[str], *, figures: Sequence[PublishedFigure] | None = No
     other figures are then anywhere inside that band): a diagnostic, not what ships."""
     if objective not in ("lsq", "minimax"):
         raise ValueError(f"objective must be lsq or minimax, got {objective!r}")
-    from scipy.optimize import least_squares, linprog, lsq_linear
-
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(TERM_NAMES))
     if unknown:
@@ -236,28 +262,8 @@ def fit(models: Sequence[str], *, figures: Sequence[PublishedFigure] | None = No
     # solve in scaled units (x_j / scale_j) so the columns are comparable
     ms = m * _SCALE[free]
     lo = _LOWER[free] / _SCALE[free]
-    hi = np.full(len(free), np.inf)
-    start = lsq_linear(ms, rhs, bounds=(lo, hi), method="bvls").x  # relative errors: linear, exact
-
-    def log_ratio(z: np.ndarray) -> np.ndarray:  # log(predicted / measured)
-        return np.log(np.maximum(1.0 + ms @ z - rhs, 1e-12))
-
-    def jac(z: np.ndarray) -> np.ndarray:
-        return ms / np.maximum(1.0 + ms @ z - rhs, 1e-12)[:, None]
-
-    sol = least_squares(log_ratio, np.maximum(start, lo), jac=jac, bounds=(lo, hi), method="trf",
-                        x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12)
-    z = np.where(sol.x - lo <= 1e-9 * np.maximum(1.0, np.abs(lo)), lo, sol.x)  # snap solver dust to the bound
-    x[free] = z * _SCALE[free]
-    # minimax: min e  s.t. |ms z - rhs| <= e, z >= lo
-    k = len(free)
-    cost = np.r_[np.zeros(k), 1.0]
-    a_ub = np.block([[ms, -np.ones((len(y), 1))], [-ms, -np.ones((len(y), 1))]])
-    b_ub = np.r_[rhs, -rhs]
-    lp = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[(v, None) for v in lo] + [(0, None)], method="highs")
-    bound = float(lp.x[-1]) if lp.success else float("nan")
-    if objective == "minimax":
-        x[free] = lp.x[:k] * _SCALE[free]
+    z, lp_z, bound = solve_log_ratio(ms, rhs, lo)
+    x[free] = (lp_z if objective == "minimax" else z) * _SCALE[free]
     fitted_ms = predict_s(figs, targets, x, shape, assembly) * 1e3  # the closed form itself, not A x
     if not np.allclose(fitted_ms, (c + a @ x) * 1e3, rtol=1e-7, atol=1e-6):
         raise RuntimeError("the closed form is not linear in the fit terms at the solution")

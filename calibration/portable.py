@@ -14,11 +14,15 @@ Every :class:`~calibration.profile.LatencyProfile` field belongs to one of four 
 * ``assumption`` decode: first principles with stated constants (HBM efficiency, per-layer and per-sequence
                  step costs) that no published p5en figure of the measured models constrains.
 
-An unmeasured model takes the efficiencies *and* overheads of the measured model of its kernel family
-(:func:`nearest_measured`: a dense BF16 GQA model takes Qwen3-32B's, an FP8 MoE MLA model GLM-5-FP8's):
-the two measured models run their linear layers at 34 % and 5 % of peak and their fixed costs per
-forward differ 2.9x, so a compromise fitted on both matches neither. A model of neither family gets the
-two-model compromise, and the leave-one-model-out error (calibration.loo) is what to expect of it.
+Each carried term comes from the fit that measures it (calibration.shared_fit, :func:`carried_efficiencies`):
+the engine overheads from both measured models at once (one shared set costs the twenty published
+figures ~1-2 points of max error against each model's own fit), the prefill fixed cost and GEMM/attention
+efficiency from the measured model of the same kernel family (:func:`nearest_measured`: a dense BF16
+GQA model takes Qwen3-32B's, an FP8 MoE MLA model GLM-5-FP8's). Those two are the model's, not the
+engine's: the measured models run their linear layers at 34 % and 5 % of peak, and sharing the fixed
+cost per forward too raises the max error to 31-48 %. A model of neither family gets the prefill terms
+of a fit to both (the compromise), and the cross-family leave-one-model-out error (calibration.loo) is
+what to expect of it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from calibration.architecture import Architecture
+from calibration.closed_form import SHIPPED_ASSEMBLY
 from calibration.efficiencies import HardwareEfficiencies
 from calibration.profile import LatencyProfile
-from calibration.published import MEASURED, MeasuredDeployment, deployment
+from calibration.published import MEASURED, MeasuredDeployment
 
 PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION = "physics", "efficiency", "overhead", "assumption"
 
@@ -45,7 +50,7 @@ FIELD_KINDS: dict[str, tuple[str, str]] = {
     "prefill_index_s": (EFFICIENCY, "DSA indexer FLOPs/pair / (TP x FP8 peak x attention MFU)"),
     "transfer_bytes_per_s": (EFFICIENCY, "EFA line rate x TP x EFA efficiency"),
     "transfer_per_block_s": (OVERHEAD, "NIXL descriptors per block (config.json) x fitted cost per descriptor"),
-    "prefill_fixed_s": (OVERHEAD, "layers x fitted fixed cost per layer per forward pass"),
+    "prefill_fixed_s": (EFFICIENCY, "layers x the kernel family's fitted fixed cost per layer per forward pass"),
     "transfer_setup_s": (OVERHEAD, "fitted per D->P transfer (handshake, notification)"),
     "reuse_overhead_per_token_s": (OVERHEAD, "fitted per reused token on the ON path (cause not identified)"),
     "ttft_overhead_fixed_s": (OVERHEAD, "fitted per request (proxy hops, D's first step)"),
@@ -84,20 +89,39 @@ def nearest_measured(arch: Architecture) -> MeasuredDeployment | None:
     return None
 
 
-def measured_efficiencies(model: str) -> HardwareEfficiencies:
-    """The efficiencies and overheads a measured model's shipped profile was fitted to (its own figures
-    only, EFA efficiency at the two-model value), read from that profile's provenance."""
-    from calibration.fit import TERM_NAMES, efficiencies_from_vector
+PREFILL_TERMS = ("prefill_fixed_per_layer_s", "gemm_cost_factor", "attention_cost_factor")
 
-    d = deployment(model)
-    profile = LatencyProfile.load(d.profile_name)
-    params = profile.provenance.get("parameters")
-    if not params or set(TERM_NAMES) - set(params):
-        raise ValueError(f"profile {d.profile_name}: provenance has no fitted parameters; run python -m calibration.fit --write")
-    x = [params[name]["value"] for name in TERM_NAMES]
-    return efficiencies_from_vector(x, d.hardware, {
-        "source": f"the per-model fit of {d.model} (calibration/profiles/{d.profile_name}.json)",
-        "assembly": profile.provenance["inputs"]["assembly"], "measured_model": d.model})
+
+def carried_efficiencies(arch: Architecture) -> tuple[HardwareEfficiencies, str, bool]:
+    """What a profile for ``arch`` carries from the measured models (calibration.shared_fit): the engine
+    overheads fitted on both at once, and the prefill fixed cost and GEMM/attention efficiency of the
+    same-kernel-family model, else of the two-model compromise. Returns the efficiencies, where they come
+    from, and whether a same-family model was found."""
+    match = nearest_measured(arch)
+    eff, text = efficiencies_for(match.model if match else None, kernel_family(arch).describe())
+    return eff, text, match is not None
+
+
+def efficiencies_for(prefill_model: str | None, family: str = "this family") -> tuple[HardwareEfficiencies, str]:
+    """Engine overheads of the joint fit with ``prefill_model``'s prefill terms (None: the compromise's)."""
+    from calibration.fit import TERM_NAMES, efficiencies_from_vector
+    from calibration.shared_fit import carried_fit, compromise_fit
+
+    carried = carried_fit()
+    overheads = "engine overheads fitted on both measured models at once"
+    if prefill_model is not None:
+        x = carried.x[prefill_model].copy()
+        text = f"{prefill_model} ({family}): its prefill fixed cost and GEMM/attention efficiency; {overheads}"
+    else:
+        first = MEASURED[0].model
+        x = carried.x[first].copy()
+        for term in PREFILL_TERMS:
+            x[TERM_NAMES.index(term)] = compromise_fit().x[first][TERM_NAMES.index(term)]
+        text = (f"the two-model compromise for prefill (no measured model is {family}: prefill fixed cost and "
+                f"GEMM/attention efficiency of one fit to both); {overheads}")
+    eff = efficiencies_from_vector(x, MEASURED[0].hardware, {
+        "source": f"calibration.shared_fit: {text}", "assembly": SHIPPED_ASSEMBLY.describe()})
+    return eff, text
 
 
 def field_sources(profile: LatencyProfile, carried_from: str) -> list[dict[str, Any]]:

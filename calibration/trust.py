@@ -100,7 +100,6 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
              f"    efficiencies (exact FLOPs/bytes at a fitted fraction of peak): {listing(EFFICIENCY)}",
              f"    overheads (fitted seconds): {listing(OVERHEAD)}",
              f"  assumed, never fitted on {prov['hardware']}: {listing(ASSUMPTION)}"]
-    same_family = not prov["carried_from"].startswith(("the two-model compromise", "given"))
-    lines += expected_error_lines(summary, same_family)
+    lines += expected_error_lines(summary, prov["same_family_fit"])
     lines += bench_commands(profile, profile_path)
     return "\n".join(lines)

@@ -14,7 +14,8 @@ import pytest
 from calibration.build import profile_from_architecture
 from calibration.fit import leave_one_out
 from calibration.heldout import CONFIG, load_heldout
-from calibration.loo import DEFAULT_SOURCE, report, summary
+from calibration.efficiencies import load_efficiencies
+from calibration.loo import DEFAULT_SOURCE, NO_FAMILY, PREVIOUS_DEFAULT, WRONG_FAMILY, report, summary
 from calibration.portable import ASSUMPTION, EFFICIENCY, FIELD_KINDS, OVERHEAD, PHYSICS
 from calibration.profile import LatencyProfile
 from calibration.published import load_published
@@ -33,31 +34,38 @@ def loo_report():
     return report()
 
 
-def test_dense_bf16_model_carries_qwen3_32b_fit():
+def test_dense_bf16_model_carries_qwen3_32b_prefill_terms():
+    """Llama-3.3-70B (BF16 dense GQA) takes Qwen3-32B's prefill terms; the carried values stay within a
+    few % of Qwen3-32B's own shipped fit (the joint fit shares the engine overheads, which moves them a
+    little: transfer setup 21.5 -> 21.1 ms, reuse 8.3 -> 7.7 us per token)."""
     qwen = LatencyProfile.load("qwen3-32b@p5en-tp8")
     llama = profile_from_architecture(CONFIG, "p5en", 8, name="Llama-3.3-70B")
-    assert llama.provenance["carried_from"].startswith("Qwen3-32B")
-    # overheads carry as Qwen3-32B's fit states them: setup and reuse per token as they are, the fixed
-    # cost per layer per forward (64 layers there, 80 here)
-    assert llama.transfer_setup_s == pytest.approx(qwen.transfer_setup_s)
-    assert llama.reuse_overhead_per_token_s == pytest.approx(qwen.reuse_overhead_per_token_s)
-    assert llama.prefill_fixed_s == pytest.approx(qwen.prefill_fixed_s * 80 / 64)
-    # efficiencies: the same fraction of peak on the new FLOP count; matmul weights per layer read off the
-    # configs (Q and O: hidden x heads*head_dim, K and V: hidden x kv_heads*head_dim, gated MLP: 3 matrices)
+    assert llama.provenance["carried_from"].startswith("Qwen3-32B") and llama.provenance["same_family_fit"]
+    assert llama.transfer_setup_s == pytest.approx(qwen.transfer_setup_s, rel=0.03)
+    assert llama.reuse_overhead_per_token_s == pytest.approx(qwen.reuse_overhead_per_token_s, rel=0.08)
+    # the fixed cost per layer per forward (64 layers there, 80 here)
+    assert llama.prefill_fixed_s == pytest.approx(qwen.prefill_fixed_s * 80 / 64, rel=0.01)
+    # the same fraction of peak on the new FLOP count; matmul weights per layer read off the configs
+    # (Q and O: hidden x heads*head_dim, K and V: hidden x kv_heads*head_dim, gated MLP: 3 matrices)
     qwen_params = 64 * (5120 * 8192 + 2 * 5120 * 1024 + 8192 * 5120 + 3 * 5120 * 25600)
     llama_params = 80 * (8192 * 8192 + 2 * 8192 * 1024 + 8192 * 8192 + 3 * 8192 * 28672)
-    assert llama.prefill_per_token_s == pytest.approx(qwen.prefill_per_token_s * llama_params / qwen_params)
-    assert llama.transfer_bytes_per_s == pytest.approx(qwen.transfer_bytes_per_s)
+    assert llama.prefill_per_token_s == pytest.approx(qwen.prefill_per_token_s * llama_params / qwen_params, rel=0.03)
     assert llama.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80  # BF16 K and V, 8 KV heads, 80 layers
 
 
 def test_family_rule(write_config):
     glm_like = profile_from_architecture(write_config(GLM5_FP8, "glm.json"), "p5en", 8)
     assert glm_like.provenance["carried_from"].startswith("GLM-5-FP8")
-    assert glm_like.prefill_fixed_s == pytest.approx(LatencyProfile.load("glm-5-fp8@p5en-tp8").prefill_fixed_s)
+    glm = LatencyProfile.load("glm-5-fp8@p5en-tp8")
+    assert glm_like.prefill_fixed_s == pytest.approx(glm.prefill_fixed_s, rel=0.03)
+    assert glm_like.prefill_per_token_s == pytest.approx(glm.prefill_per_token_s, rel=0.01)
     other = profile_from_architecture(write_config(BF16_MOE_GQA, "moe.json"), "p5en", 2)
     assert other.provenance["carried_from"].startswith("the two-model compromise")
-    assert "BF16 MoE GQA" in other.provenance["carried_from"]
+    assert "BF16 MoE GQA" in other.provenance["carried_from"] and not other.provenance["same_family_fit"]
+    # the compromise's prefill terms (data/p5en_efficiencies.json: one fit to both), the shared overheads
+    joint = load_efficiencies("p5en")
+    assert other.prefill_fixed_s == pytest.approx(48 * joint.prefill_fixed_per_layer_s)
+    assert other.transfer_setup_s == pytest.approx(glm_like.transfer_setup_s)
 
 
 def test_every_numeric_field_has_a_kind_and_a_source(write_config):
@@ -101,12 +109,16 @@ def test_same_family_heldout_model_error_bounds(loo_report):
 
 
 def test_family_rule_beats_the_other_sources_where_tp_is_likeliest(loo_report):
-    """At TP4 (where the measured TPOT and OFF TTFT both point) the same-family fit has the smallest
-    median and max TTFT error of the three sources; at TP8 it has the smallest max, not the smallest
-    median (the two-model compromise's slower GEMMs happen to match OFF there, and miss ON by +70 %)."""
+    """At TP4 the same-family prefill terms have the smallest median and max TTFT error of the four
+    sources; at TP8 the smallest max, not the smallest median (the compromise's slower GEMMs happen to
+    match OFF there, and miss the reused ON turns by +70 %: the known failure)."""
     groups = {(s["trained_on"], s["model"]): s for s in summary(loo_report["heldout"]) if s["group"] == "prefill/TTFT"}
     sources = {t for t, _ in groups}
-    assert sources == {DEFAULT_SOURCE, "GLM-5-FP8 fit", "two-model compromise"}
+    assert sources == {DEFAULT_SOURCE, WRONG_FAMILY, NO_FAMILY, PREVIOUS_DEFAULT}
+    measured_on_p50 = next(f.measured_ms for f in load_heldout() if (f.mode, f.metric, f.statistic) == ("on", "ttft", "p50"))
+    previous_on_p50 = next(r["predicted_ms"] for r in loo_report["heldout"] if r["trained_on"] == PREVIOUS_DEFAULT
+                           and r["tp"] == 8 and (r["mode"], r["metric"], r["statistic"]) == ("on", "ttft", "p50"))
+    assert previous_on_p50 / measured_on_p50 - 1 > 0.6
     tp4 = {t: groups[(t, "Llama-3.3-70B (TP4)")] for t in sources}
     tp8 = {t: groups[(t, "Llama-3.3-70B (TP8)")] for t in sources}
     assert min(tp4, key=lambda t: tp4[t]["median_abs_error"]) == DEFAULT_SOURCE
