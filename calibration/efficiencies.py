@@ -1,7 +1,9 @@
 """Hardware efficiencies: what turns an architecture into a latency profile on given hardware.
 
-Fitted on the measured models (calibration.fit) and stored as ``data/<hardware>_efficiencies.json``;
-``bidikv profile`` applies them to a model nobody measured. Each field belongs to one latency model:
+Fitted on the measured models (calibration.fit: one fit to both, stored as ``data/<hardware>_efficiencies.json``;
+calibration.shared_fit: engine overheads shared, prefill terms per model, which is what ``bidikv profile``
+carries to a model nobody measured on the measured models' hardware, see calibration.portable). Each
+field belongs to one latency model:
 
 * prefill (calibration.prefill): ``prefill_fixed_per_layer_s`` [s per layer per forward pass],
   ``gemm_mfu`` and ``attention_mfu`` [fraction of dense peak FLOP/s, in (0, 1]];

@@ -23,8 +23,9 @@ Fits run here:
 * per measured model (its ten figures), the EFA efficiency fixed at the two-model value (one model's
   transfers cannot separate the bytes term from the per-descriptor term): the shipped profiles
   ``calibration/profiles/<model>@p5en-tp8.json``;
-* both models at once, every efficiency shared: ``calibration/data/p5en_efficiencies.json``, what
-  ``bidikv profile`` applies to unmeasured models;
+* both models at once, every efficiency shared: ``calibration/data/p5en_efficiencies.json`` (the
+  compromise; profiles for unmeasured models carry calibration.shared_fit's split instead, with these
+  prefill terms only for a kernel family nobody measured);
 * leave one model out: fit on one model (EFA efficiency fixed at line rate, nothing from the other
   model), predict the other model's ten figures from its architecture alone.
 
