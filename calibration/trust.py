@@ -87,7 +87,7 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
     if summary is None:
         from calibration.loo import report
 
-        summary = report()["summary"]
+        summary = report(with_alternatives=False)["summary"]  # the default source is all the bands need
     rows = prov["fields"]
     by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION)}
 
