@@ -17,7 +17,6 @@ TPOT per turn = (completion - arrival - TTFT) / (output tokens - 1), vLLM's defi
 
 from __future__ import annotations
 
-import csv
 import pathlib
 import statistics
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Mapping, Sequence
 from calibration.build import profile_from_architecture
 from calibration.efficiencies import HardwareEfficiencies
 from calibration.hardware import DATA_DIR
+from calibration.published import commented_csv_rows
 
 HELDOUT_CSV = DATA_DIR / "heldout_pr32553.csv"
 CONFIG = DATA_DIR / "config_llama-3.3-70b.json"
@@ -47,22 +47,20 @@ class HeldoutFigure:
 
 
 def load_heldout(path: str | pathlib.Path = HELDOUT_CSV) -> list[HeldoutFigure]:
-    path = pathlib.Path(path)
-    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     out = []
-    for i, row in enumerate(csv.DictReader(lines), start=1):
+    for where, row in commented_csv_rows(path):
         try:
             fig = HeldoutFigure(row["model"], row["mode"], row["metric"], row["statistic"], float(row["measured_ms"]),
                                 int(row["requests"]))
         except KeyError as exc:
-            raise ValueError(f"{path} row {i}: field {exc.args[0]!r} is missing") from None
+            raise ValueError(f"{where}: field {exc.args[0]!r} is missing") from None
         except ValueError as exc:
-            raise ValueError(f"{path} row {i}: {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
         if fig.mode not in ("on", "off") or fig.metric not in ("ttft", "tpot") or fig.statistic not in ("mean", "p50"):
-            raise ValueError(f"{path} row {i}: fields mode/metric/statistic must be on|off, ttft|tpot, mean|p50, "
+            raise ValueError(f"{where}: fields mode/metric/statistic must be on|off, ttft|tpot, mean|p50, "
                              f"got {fig.mode!r}, {fig.metric!r}, {fig.statistic!r}")
         if fig.measured_ms <= 0 or fig.requests <= 0:
-            raise ValueError(f"{path} row {i}: fields 'measured_ms' and 'requests' must be > 0")
+            raise ValueError(f"{where}: fields 'measured_ms' and 'requests' must be > 0")
         out.append(fig)
     return out
 

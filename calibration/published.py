@@ -77,12 +77,16 @@ def deployment(model: str) -> MeasuredDeployment:
     raise ValueError(f"no measured deployment for {model!r} (known: {', '.join(d.model for d in MEASURED)})")
 
 
-def load_published(path: str | pathlib.Path = PUBLISHED_CSV) -> list[PublishedFigure]:
+def commented_csv_rows(path: str | pathlib.Path) -> list[tuple[str, dict[str, str]]]:
+    """A CSV whose ``#`` lines are provenance: each data row with where it is (``<path> row <n>``)."""
     path = pathlib.Path(path)
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [(f"{path} row {i}", row) for i, row in enumerate(csv.DictReader(lines), start=1)]
+
+
+def load_published(path: str | pathlib.Path = PUBLISHED_CSV) -> list[PublishedFigure]:
     figures = []
-    for i, row in enumerate(csv.DictReader(lines), start=1):
-        where = f"{path} row {i}"
+    for where, row in commented_csv_rows(path):
         try:
             figure = PublishedFigure(
                 model=row["model"], prompt_label=row["prompt_label"], prompt_tokens=int(row["prompt_tokens"]),
