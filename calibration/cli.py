@@ -215,7 +215,11 @@ def _print_table(recs: list[dict[str, Any]], profiles: dict[str, Any], refit: bo
 def _print_leave_one_out(as_json: bool) -> int:
     from calibration.loo import format_text, report
 
-    rep = report()
+    try:
+        rep = report()
+    except Exception as exc:  # noqa: BLE001 - the simulator failing is reported, never papered over
+        print(f"bidikv calibrate: error: the held-out simulation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(rep, indent=2) if as_json else format_text(rep))
     return 0
 
