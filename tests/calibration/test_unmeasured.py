@@ -141,3 +141,32 @@ def test_heldout_csv_errors_name_the_field(tmp_path):
     path.write_text("model,mode,metric,statistic,measured_ms,requests\nX,on,itl,mean,1,3\n")
     with pytest.raises(ValueError, match="metric"):
         load_heldout(path)
+
+
+def test_trust_report_names_every_kind_and_the_band_that_applies(write_config):
+    from calibration.trust import trust_report
+
+    summary = [{"trained_on": DEFAULT_SOURCE, "model": f"Llama-3.3-70B (TP{tp})", "group": g, "points": 2,
+                "median_abs_error": 0.1, "max_abs_error": 0.2, "min_error": -0.2, "max_error": 0.1}
+               for tp in (4, 8) for g in ("prefill/TTFT", "TPOT")]
+    summary += [{"trained_on": "Qwen3-32B", "model": "GLM-5-FP8", "group": g, "points": 2, "median_abs_error": 0.5,
+                 "max_abs_error": m, "min_error": -m, "max_error": -0.1} for g, m in (("prefill/TTFT", 4.43), ("transfer", 0.76))]
+    same = trust_report(profile_from_architecture(write_config(QWEN3_32B), "p5en", 8), None, summary)
+    assert "its family was measured" in same and "TP4: median 10 %, max 20 %" in same
+    assert "prefill/TTFT |error| up to 443 %, transfer up to 76 %" in same
+    for kind in ("exact (config.json x p5en)", "carried over from Qwen3-32B", "assumed, never fitted on p5en"):
+        assert kind in same
+    other = trust_report(profile_from_architecture(write_config(BF16_MOE_GQA), "p5en", 2), "p.json", summary)
+    assert "no measured model shares its family" in other and "--base-profile p.json" in other
+
+
+def test_trust_report_says_when_the_band_could_not_be_computed(write_config, monkeypatch):
+    import calibration.loo
+    from calibration.trust import trust_report
+
+    def broken(**_):
+        raise RuntimeError("simulator down")
+
+    monkeypatch.setattr(calibration.loo, "report", broken)
+    text = trust_report(profile_from_architecture(write_config(QWEN3_32B), "p5en", 8))
+    assert "expected error: not computed" in text and "simulator down" in text and "bidikv bench" in text
