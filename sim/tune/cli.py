@@ -58,6 +58,10 @@ def register(subparsers: Any) -> None:
                         "(default: %(default)s)")
     x.add_argument("--workers", type=number(int), default=None, metavar="N",
                    help="process-pool size, >= 1 (default: CPU count)")
+    x.add_argument("--screen", action=argparse.BooleanOptionalAction, default=False,
+                   help="screen fixed-TTL points from one pass over the workload (exact reuse figures, bounded "
+                        "TTFT and retained HBM) and simulate only those the recommendation could be; the table marks "
+                        "screened rows. Needs closed-loop gaps and P's prefix cache off (default: %(default)s)")
     x.add_argument("--json", action="store_true", help="print every configuration, the frontier and the recommendation "
                                                        "as strict JSON")
     x.add_argument("--plots", default=None, metavar="DIR",
@@ -98,6 +102,13 @@ def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
     return out
 
 
+def _batch(args: argparse.Namespace) -> int:
+    """Screened points simulated per round: one per worker the executor runs at once."""
+    import os
+
+    return 1 if args.executor == "serial" else (args.workers or os.cpu_count() or 1)
+
+
 def _list(text: str, name: str) -> list[float]:
     return parse_floats(text, name) if text.strip() else []
 
@@ -109,27 +120,34 @@ def run(args: argparse.Namespace) -> int:
     from sim.tune.grid import REFERENCES, build_grid
     from sim.tune.sensitivity import (UNSTATED, lease_points, sensitivity_rows, sensitivity_table, stated_renewal,
                                       tune_across_behaviours)
-    from sim.tune.report import as_json, plots, recommendation_text, table
+    from sim.tune.report import as_json, plots, recommendation_text, screening_summary, table as table_text
+    from sim.tune.screen import TurnTable, screener
 
     check_args(args)
     config = config_from_args(args)
     thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
     grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
     plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
-    workload = describe_workload(config, load_conversations(config))
+    conversations = load_conversations(config)
+    workload = describe_workload(config, conversations)
     profile = LatencyProfile.load(config.profile)
     block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
     if args.decode_hbm_gb is not None:
         config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
     decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
     decode_hbm_gb = decode_blocks * block_gb * config.topology.num_decode
+    table = TurnTable(config, conversations, profile)
+    screen, not_screened = screener(config, conversations, profile, decode_blocks, table) if args.screen else (None, [])
+    del conversations  # the workers build their own; a million turns need not stay here
     candidates = [*grid, *REFERENCES]
     # a lease is only as good as the clients' heartbeats: every lease point runs under each client
     # behaviour, the recommendation is for the stated one (or safe under never and while_open)
     stated = stated_renewal(args)
     tuning = tune_across_behaviours(
         config, candidates, lambda cfgs, pols: run_points(cfgs, pols, args.executor, args.workers, args.progress),
-        args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct, stated)
+        args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct, stated, screen,
+        batch=_batch(args), compute_bound_tokens=table.compute_bound_tokens())
+    screening = screening_summary(tuning.narrowing, not_screened, args.screen)
     points, chosen = tuning.main.points, tuning.main.chosen
     sensitivity = sensitivity_rows(tuning, args.objective)
     topology = (config.topology.num_prefill, config.topology.num_decode)
@@ -142,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {w}", file=sys.stderr)
     if args.json:
         out = as_json(points, chosen, args.objective, config.profile, topology)
-        out.update(workload=workload, warnings=warnings, client_renewal=stated or UNSTATED,
+        out.update(workload=workload, warnings=warnings, screening=screening, client_renewal=stated or UNSTATED,
                    client_renewal_sensitivity=sensitivity, client_renewal_lease_points=lease_points(tuning))
         print(dumps(out))
     else:
@@ -151,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
               f"{decode_hbm_gb:,.0f} GB in all, budget {args.max_retained_hbm_pct:g} % of it retained on average")
         print(f"client renewal: {stated}" if stated else "client renewal: unstated (lease rows: the worse of never and "
               "while_open per figure)")
-        print(table(points, chosen, args.objective))
+        print(f"screening: {screening['text']}")
+        print(table_text(points, chosen, args.objective))
         print()
         print(sensitivity_table(sensitivity, tuning.main, args.objective))
         print()

@@ -6,15 +6,18 @@ A top-level function of plain data in, plain data out, so a process pool or Ray 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from sim.config import SimConfig
 from sim.runner import run_config
+from sim.workload.model import Conversation
 
 
-def evaluate(config: SimConfig, policy_overrides: dict[str, Any]) -> dict[str, Any]:
+def evaluate(config: SimConfig, policy_overrides: dict[str, Any],
+             conversations: Sequence[Conversation] | None = None) -> dict[str, Any]:
+    """``conversations``: the workload, if not the one ``config`` generates (tests give their own)."""
     cfg = dataclasses.replace(config, policy=dataclasses.replace(config.policy, **policy_overrides)).validate()
-    result = run_config(cfg)
+    result = run_config(cfg, conversations=conversations)
     s = result.summary
     done = [r for r in result.records if not r.rejected]
     ttfts = sorted(r.ttft_s for r in done)

@@ -51,6 +51,7 @@ class Tuning:
     per_behaviour: dict[str, Outcome]
     tuned_ttl: Outcome  # fixed TTLs only: what a lease has to beat (reads no heartbeat)
     best_lease: dict[str, Outcome]  # leases only, per behaviour
+    narrowing: Any = None  # sim.tune.narrow.Narrowing when screening ran: which jobs were simulated
 
 
 def depends_on_clients(candidate: Candidate) -> bool:
@@ -85,8 +86,12 @@ def worst_case(metrics: Sequence[dict[str, Any]], objective_key: str) -> dict[st
 def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
                            run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
                            objective: str, max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
-                           stated: str | None) -> Tuning:
-    """Simulate the grid (leases once per behaviour) and analyse it per behaviour, safe, TTL-only, lease-only."""
+                           stated: str | None, screen: Callable[[Candidate], dict[str, Any] | None] | None = None,
+                           batch: int = 1, compute_bound_tokens: float | None = None) -> Tuning:
+    """Simulate the grid (leases once per behaviour) and analyse it per behaviour, safe, TTL-only, lease-only.
+
+    ``screen``: a candidate's screened figures (sim/tune/screen.py) or None; screened candidates are
+    simulated only where the recommendation could be them (sim/tune/narrow.py, ``batch`` at a time)."""
     configs: list[SimConfig] = []
     overrides: list[dict[str, Any]] = []
     index: list[dict[str, int]] = []  # per candidate: behaviour (or '*') -> job
@@ -99,7 +104,13 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
             configs.append(cfg)
             overrides.append(c.policy)
         index.append(jobs)
-    results = run(configs, overrides)
+    if screen is None:
+        results = run(configs, overrides)
+        narrowing = None
+    else:
+        narrowing = _narrowed(candidates, index, configs, overrides, run, screen, objective,
+                              max_retained_hbm_pct / 100.0 * decode_hbm_gb, tolerance_pct, batch)
+        results = narrowing.results
 
     def metrics_for(behaviour: str) -> list[dict[str, Any]]:
         return [results[jobs.get(behaviour, jobs.get("*", -1))] for jobs in index]
@@ -107,24 +118,49 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
     analysed = {}
     for behaviour in RENEWAL_BEHAVIOURS:
         points, chosen = analyse(candidates, metrics_for(behaviour), objective, max_retained_hbm_pct, decode_hbm_gb,
-                                 tolerance_pct)
+                                 tolerance_pct, compute_bound_tokens=compute_bound_tokens)
         analysed[behaviour] = Outcome(behaviour, points, chosen)
     if stated is not None:
         main = analysed[stated]
     else:
         key = OBJECTIVES[objective]
         worst = [worst_case(group, key) for group in zip(*(metrics_for(b) for b in SAFE_UNDER))]
-        points, chosen = analyse(candidates, worst, objective, max_retained_hbm_pct, decode_hbm_gb, tolerance_pct)
+        points, chosen = analyse(candidates, worst, objective, max_retained_hbm_pct, decode_hbm_gb, tolerance_pct,
+                                 compute_bound_tokens=compute_bound_tokens)
         main = Outcome(UNSTATED, points, chosen)
     def subset(keep: Callable[[Candidate], bool], behaviour: str) -> Outcome:
         # the references stay in (analyse measures every point against them) but are not a choice
         points_, best = analyse(candidates, metrics_for(behaviour), objective, max_retained_hbm_pct, decode_hbm_gb,
-                                tolerance_pct, eligible=lambda c: c.kind == "sweep" and keep(c))
+                                tolerance_pct, eligible=lambda c: c.kind == "sweep" and keep(c),
+                                compute_bound_tokens=compute_bound_tokens)
         return Outcome(behaviour, points_, best)
 
     tuned_ttl = subset(lambda c: c.policy.get("retention") == "ttl", "never")
     best_lease = {b: subset(depends_on_clients, b) for b in RENEWAL_BEHAVIOURS}
-    return Tuning(main, analysed, tuned_ttl, best_lease)
+    return Tuning(main, analysed, tuned_ttl, best_lease, narrowing)
+
+
+def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], configs: list[SimConfig],
+              overrides: list[dict[str, Any]], run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
+              screen: Callable[[Candidate], dict[str, Any] | None], objective: str, budget_gb: float,
+              tolerance_pct: float, batch: int) -> Any:
+    """Simulate what the screen cannot stand for, then what the recommendation could be."""
+    from sim.tune.narrow import narrow
+
+    screened: dict[int, dict[str, Any]] = {}
+    counts: set[int] = set()
+    for c, jobs in zip(candidates, index):
+        if c.kind in ("sweep", "default") and not depends_on_clients(c):
+            counts.update(jobs.values())
+        if c.kind == "sweep" and not depends_on_clients(c):
+            figures = screen(c)
+            if figures is not None:
+                screened[jobs["*"]] = figures
+    first = [j for j in range(len(configs)) if j not in screened]
+    done = dict(zip(first, run([configs[j] for j in first], [overrides[j] for j in first])))
+    return narrow(screened, done, len(configs), counts.__contains__,
+                  lambda jobs: run([configs[j] for j in jobs], [overrides[j] for j in jobs]),
+                  objective, budget_gb, tolerance_pct, batch)
 
 
 def _f(x: float | None, fmt: str) -> str:

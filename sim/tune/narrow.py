@@ -1,0 +1,143 @@
+"""Which screened points still need a full simulation: branch and bound on the recommendation.
+
+The screen (sim/tune/screen.py) gives a fixed-TTL point's reuse figures exactly and bounds the rest:
+TTFT from below, retained HBM*s between two bounds. A screened point is simulated in full when the
+recommendation could be it: it may fit the HBM budget (its lower bound of retained HBM*s, over the
+longest run simulated so far, fits) and its objective's lower bound is within the tolerance of the
+best objective simulated so far (among fixed TTLs, gap quantiles and vLLM's default: leases, which
+could only lower that best, are left out, so this simulates at least as much as needed). Points are
+simulated best-bound first, a batch at a time, until none is left open; every other point keeps its
+screened figures, marked ``screened``, and is never recommended.
+
+Every simulated fixed-TTL point also checks the screen: its reuse figures must equal the screened ones
+and it must show no memory pressure (the premise that makes them exact). If either fails, every
+screened point is simulated and a note says why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from sim.tune.frontier import OBJECTIVES
+from sim.tune.screen import pressure_seen
+
+# Figures the screen claims exactly (under its premises): a simulated point must repeat them.
+EXACT_KEYS = ("tokens_recomputed", "tokens_reused", "tokens_pulled", "tokens_offered", "tokens_verified")
+# How far a screened run's length may be from the simulated ones' (it divides retained GB*s into a mean):
+# runs differ by the service times of their last turns, seconds against the workload's span.
+RUN_LENGTH_SLACK = 0.01
+
+
+@dataclass
+class Narrowing:
+    results: list[dict[str, Any]]  # per job: the simulation's figures, or the screen's (marked screened)
+    simulated: set[int] = field(default_factory=set)
+    screened: set[int] = field(default_factory=set)
+    same_as_simulated: int = 0  # of the simulated: took a twin's figures (same retention, same pulls on every turn)
+    notes: list[str] = field(default_factory=list)
+
+
+def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float]) -> dict[str, Any]:
+    """A screened point in the simulated points' form: TTFT at its lower bounds, HBM*s at the estimate,
+    and ``bounds`` (lower, upper) for every figure that is not exact."""
+    ttft = figures["ttft_lower_bound_ms"]
+    retained_lo, retained_hi = figures["retained_hbm_gb_s_bounds"]
+    out = {k: figures[k] for k in (*EXACT_KEYS, "reuse_hit_rate")}
+    out.update({
+        "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"], "ttft_mean_ms": ttft["mean"],
+        "retained_hbm_gb_s": figures["retained_hbm_gb_s_estimate"], "peak_retained_hbm_gb": math.nan,
+        "preemptions": 0, "rejected": 0, "dropped_under_pressure": 0, "heartbeats": 0,
+        "sim_time_s": sum(run_length_s) / 2, "prefill_utilisation_max": math.nan, "queue_share_of_ttft": math.nan,
+        "ttft_cdf_ms": [], "retained_series": [], "screened": True,
+        "bounds": {**{k: (ttft[k.split("_")[1]], math.inf) for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+                                                                       "ttft_mean_ms")},
+                   "retained_hbm_gb_s": (retained_lo, retained_hi), "sim_time_s": run_length_s},
+    })
+    return out
+
+
+def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any]], jobs: int,
+           counts_for_best: Callable[[int], bool], run: Callable[[list[int]], list[dict[str, Any]]],
+           objective: str, budget_gb: float, tolerance_pct: float, batch: int) -> Narrowing:
+    """``screened``: job -> screen figures; ``results``: job -> figures of the jobs already simulated
+    (every job not screened); ``run`` simulates jobs; ``counts_for_best``: may the job's simulated
+    objective set the best (a non-lease sweep point or vLLM's default)."""
+    key = OBJECTIVES[objective]
+    results = dict(results)
+    out = Narrowing([], screened=set(screened))
+    open_ = set(screened)
+
+    def lengths() -> tuple[float, float]:
+        simulated = [m["sim_time_s"] for m in results.values()]
+        return (min(simulated) * (1 - RUN_LENGTH_SLACK), max(simulated) * (1 + RUN_LENGTH_SLACK))
+
+    def simulate(chosen: Sequence[int], twins: bool = True) -> bool:
+        """Simulate ``chosen``, once per twin set (same retention, same pulls on every turn: the same
+        simulation event for event, while the screen's hits are exact); False if a simulation
+        contradicts the screen."""
+        ok = True
+        groups: dict[Any, list[int]] = {}
+        for job in chosen:
+            groups.setdefault(screened[job]["same_simulation_key"] if twins else job, []).append(job)
+        known = {screened[j]["same_simulation_key"]: results[j] for j in out.simulated} if twins else {}
+        fresh = [jobs[0] for key, jobs in groups.items() if key not in known]
+        for job, metrics in zip(fresh, run(fresh) if fresh else []):
+            known[screened[job]["same_simulation_key"] if twins else job] = metrics
+            wrong = [k for k in EXACT_KEYS if metrics[k] != screened[job][k]]
+            if pressure_seen(metrics):
+                out.notes.append("a simulated fixed-TTL point showed memory pressure on D (drops, preemptions or "
+                                 "rejections): screened hits are not exact here, every point was simulated")
+                ok = False
+            elif wrong:
+                out.notes.append(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was "
+                                 "simulated (please report this workload)")
+                ok = False
+        for key, jobs in groups.items():
+            for job in jobs:
+                results[job] = known[key]
+                open_.discard(job)
+                out.simulated.add(job)
+                out.screened.discard(job)
+            out.same_as_simulated += len(jobs) - (jobs[0] in fresh)
+        return ok
+
+    def objective_lo(job: int) -> float:
+        fig = screened[job]
+        return fig["tokens_recomputed"] if key == "tokens_recomputed" else fig["ttft_lower_bound_ms"][key.split("_")[1]]
+
+    if any(pressure_seen(m) for m in results.values()):
+        out.notes.append("a simulated point showed memory pressure on D (drops, preemptions or rejections): screened "
+                         "hits are not exact here, every point was simulated")
+        simulate(sorted(open_), twins=False)
+    elif open_:
+        # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores
+        probe = min(open_, key=lambda j: (-screened[j]["same_simulation_key"][0], objective_lo(j)))
+        if not simulate([probe]):
+            simulate(sorted(open_), twins=False)
+    while open_:
+        if not results:
+            break
+        _, longest = lengths()
+        feasible = [m[key] for j, m in results.items()
+                    if counts_for_best(j) and m["rejected"] == 0 and m["retained_hbm_gb_s"] / m["sim_time_s"] <= budget_gb]
+        best = min(feasible, default=math.inf)
+        candidates = sorted((objective_lo(j), j) for j in open_
+                            if screened[j]["retained_hbm_gb_s_bounds"][0] / longest <= budget_gb
+                            and objective_lo(j) <= best * (1 + tolerance_pct / 100.0) + 1e-9)
+        if not candidates:
+            break
+        # a batch of distinct simulations: twins of one another ride along with the first
+        chosen, keys = [], set()
+        for _, j in candidates:
+            if len(keys) == batch:
+                break
+            chosen.append(j)
+            keys.add(screened[j]["same_simulation_key"])
+        if not simulate(chosen):
+            simulate(sorted(open_), twins=False)
+            break
+    run_length = lengths() if results else (math.nan, math.nan)
+    out.results = [results[j] if j in results else screened_metrics(screened[j], run_length) for j in range(jobs)]
+    return out

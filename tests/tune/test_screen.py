@@ -1,0 +1,178 @@
+"""Screening (sim/tune/screen.py, narrow.py) against the full simulation, on small random workloads.
+
+Each example simulates every configuration of a small grid in full, then tunes the same grid with
+screening, and checks what screening promises: the reuse figures it gives are the simulation's,
+to the token; its TTFT figures are lower bounds and its retained HBM*s lies within its bounds; no
+configuration the full simulation puts on the frontier is taken off it; the recommendation is the
+same; and a point simulated after screening has the figures of the full run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from calibration.profile import LatencyProfile
+from sim.config import SimConfig
+from sim.tune.evaluate import evaluate
+from sim.tune.grid import REFERENCES, build_grid
+from sim.tune.narrow import EXACT_KEYS
+from sim.tune.screen import TurnTable, premise_failures, screener
+from sim.tune.sensitivity import tune_across_behaviours
+from sim.workload.model import Conversation, Turn
+
+PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")
+BS = PROFILE.block_size
+TTLS = (0.0, 20.0, 60.0, 150.0)
+THRESHOLDS = ("0", "64", "1024", "break_even")
+
+
+@st.composite
+def workloads(draw):
+    """A few closed-loop conversations; some rewrite or drift from what D holds (partial verified prefixes)."""
+    convs = []
+    for c in range(draw(st.integers(1, 8))):
+        turns = []
+        prompt = draw(st.integers(20, 3000))
+        revision = 0
+        for k in range(draw(st.integers(1, 6))):
+            output = draw(st.integers(1, 300))
+            agreement = None
+            if k:
+                held = turns[-1].prompt_tokens + turns[-1].output_tokens - 1
+                prompt = held + 1 + draw(st.integers(0, 400))
+                change = draw(st.sampled_from(("faithful", "faithful", "drift", "rewrite")))
+                if change == "drift":
+                    agreement = draw(st.integers(0, held))
+                elif change == "rewrite":
+                    revision += 1
+                    agreement = draw(st.one_of(st.none(), st.integers(0, held)))
+            gap = draw(st.sampled_from((0.0, 5.0, 15.0, 54.999, 55.0, 130.0))) if draw(st.booleans()) else \
+                draw(st.floats(0.0, 200.0, allow_nan=False))
+            turns.append(Turn(prompt, output, gap_before_s=gap if k else 0.0, history_revision=revision,
+                              reuse_agreement_tokens=agreement))
+        convs.append(Conversation(f"c{c}", draw(st.floats(0.0, 60.0)), tuple(turns),
+                                  shared_prefix_tokens=draw(st.sampled_from((0, 100)))))
+    return convs
+
+
+def _config(decode_blocks: int) -> SimConfig:
+    cfg = SimConfig()
+    cfg.topology.decode_kv_blocks = decode_blocks
+    return cfg.validate()
+
+
+def _tune(cfg, convs, objective, screen, budget_pct=30.0):
+    candidates = [*build_grid(TTLS, THRESHOLDS, (), ()), *REFERENCES]
+
+    def run(configs, overrides):
+        return [evaluate(c, o, convs) for c, o in zip(configs, overrides)]
+
+    decode_gb = cfg.topology.decode_kv_blocks * PROFILE.kv_bytes_per_token * BS / 1e9
+    return candidates, tune_across_behaviours(cfg, candidates, run, objective, budget_pct, decode_gb, 1.0, "never",
+                                              screen, batch=2)
+
+
+@settings(max_examples=80)
+@given(convs=workloads(), objective=st.sampled_from(("ttft_p90", "ttft_p50", "compute")),
+       tight=st.sampled_from((False, False, True)), budget_pct=st.sampled_from((0.001, 0.01, 0.1, 30.0)))
+def test_screening_keeps_the_frontier_and_its_exact_figures(convs, objective, tight, budget_pct):
+    # tight: D holds little more than the largest conversation, so retention competes with running turns
+    largest = max(-(-(t.prompt_tokens + t.output_tokens) // BS) for c in convs for t in c.turns)
+    cfg = _config(largest + 2 if tight else 100_000)
+    screen, reasons = screener(cfg, convs, PROFILE, cfg.topology.decode_kv_blocks)
+    assert reasons == []
+    candidates, full = _tune(cfg, convs, objective, None, budget_pct)
+    _, screened = _tune(cfg, convs, objective, screen, budget_pct)
+    narrowing = screened.narrowing
+    full_by = {p.candidate.label: p for p in full.main.points}
+    by = {p.candidate.label: p for p in screened.main.points}
+    # never off the frontier where the full simulation has it on
+    assert {l for l, p in full_by.items() if p.on_frontier} <= {l for l, p in by.items() if p.on_frontier}
+    # the same recommendation
+    assert (full.main.chosen and full.main.chosen.candidate.label) == (screened.main.chosen and
+                                                                      screened.main.chosen.candidate.label)
+    fallback = any("every point was simulated" in n for n in narrowing.notes)
+    for label, p in by.items():
+        m, truth = p.metrics, full_by[label].metrics
+        if not p.screened:
+            assert m == truth, label  # simulated after screening (or a twin of one): the full run's figures
+            continue
+        assert not fallback
+        for key in EXACT_KEYS:
+            assert m[key] == truth[key], (label, key)
+        assert m["reuse_hit_rate"] == pytest.approx(truth["reuse_hit_rate"], abs=1e-12, nan_ok=True)
+        for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms"):
+            assert m[key] <= truth[key] * (1 + 1e-9), (label, key)
+        lo, hi = m["bounds"]["retained_hbm_gb_s"]
+        assert lo * (1 - 1e-9) <= truth["retained_hbm_gb_s"] <= hi * (1 + 1e-9), label
+
+
+def test_one_pass_matches_the_simulation_across_the_ttl_curve():
+    """The default workload, no pressure: every TTL's reuse figures from the one pass, to the token."""
+    cfg = SimConfig().validate()
+    cfg.workload = {"kind": "synthetic", "num_conversations": 40, "arrival_rate_per_s": 0.05}
+    from sim.workload import load_workload
+
+    convs = load_workload(cfg.workload, cfg.seed)
+    screen, reasons = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
+    assert reasons == []
+    for candidate in build_grid((0.0, 30.0, 120.0, 480.0, 3600.0), ("64", "break_even"), (), ()):
+        figures = screen(candidate)
+        truth = evaluate(cfg, candidate.policy)
+        assert {k: figures[k] for k in EXACT_KEYS} == {k: truth[k] for k in EXACT_KEYS}, candidate.label
+        lo, hi = figures["retained_hbm_gb_s_bounds"]
+        assert lo <= truth["retained_hbm_gb_s"] <= hi
+        # the estimate sits within 1 % of the simulation on a lightly loaded cluster
+        assert figures["retained_hbm_gb_s_estimate"] == pytest.approx(truth["retained_hbm_gb_s"], rel=0.01)
+        assert figures["ttft_lower_bound_ms"]["p90"] <= truth["ttft_p90_ms"]
+
+
+def test_premises_name_what_makes_hits_depend_on_timing():
+    convs = [Conversation("c", 0.0, (Turn(100, 10), Turn(200, 10, gap_before_s=5.0, arrival_s=30.0)))]
+    cfg = SimConfig().validate()
+    cfg.policy.prefix_caching = True
+    cfg.max_sim_time_s = 100.0
+    reasons = premise_failures(cfg, convs, 1, BS)
+    assert any("arrival" in r for r in reasons) and any("prefix cache" in r for r in reasons)
+    assert any("max_sim_time_s" in r for r in reasons) and any("capacity" in r for r in reasons)
+    assert screener(cfg, convs, PROFILE, 1)[0] is None
+
+
+def test_compute_bound_is_every_turn_reusing_all_it_verified():
+    # turn 1 continues turn 0 faithfully (D holds 1000 + 50 - 1 = 1049 tokens, all verified): 1049 reused
+    convs = [Conversation("c", 0.0, (Turn(1000, 50), Turn(1200, 50, gap_before_s=10.0)))]
+    table = TurnTable(SimConfig().validate(), convs, PROFILE)
+    assert table.compute_bound_tokens() == 1000 + (1200 - 1049)
+
+
+def test_tied_gap_is_left_to_the_simulation():
+    convs = [Conversation("c", 0.0, (Turn(1000, 50), Turn(1200, 50, gap_before_s=55.0)))]
+    cfg = SimConfig().validate()
+    screen, _ = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
+    ttl60 = build_grid((60.0, 61.0), ("64",), (), ())
+    assert screen(ttl60[0]) is None  # 55 s gap + 5 s margin = 60 s: only the simulation's clock can tell
+    assert screen(ttl60[1])["tokens_reused"] == 1049
+
+
+def test_a_screened_candidate_with_a_twin_takes_its_simulation(monkeypatch):
+    cfg = SimConfig().validate()
+    convs = [Conversation("c", 0.0, (Turn(3000, 50), Turn(3200, 50, gap_before_s=10.0)))]
+    screen, _ = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
+    a, b = build_grid((60.0,), ("0", "64"), (), ())
+    # 3049 verified tokens: thresholds 0 and 64 pull the same, so they are one simulation
+    assert screen(a)["same_simulation_key"] == screen(b)["same_simulation_key"]
+    calls = []
+
+    def run(configs, overrides):
+        calls.extend(overrides)
+        return [evaluate(c, o, convs) for c, o in zip(configs, overrides)]
+
+    tuning = tune_across_behaviours(cfg, [a, b, *REFERENCES], run, "ttft_p90", 100.0, 1e6, 1.0, "never", screen, batch=2)
+    assert len(calls) == 4  # three references and one of the twins
+    by = {p.candidate.label: p for p in tuning.main.points}
+    assert by[a.label].metrics == by[b.label].metrics and not by[a.label].screened
+    assert dataclasses.asdict(tuning.main.points[0].candidate) == dataclasses.asdict(a)
