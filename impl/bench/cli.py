@@ -48,16 +48,27 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from impl.bench.client import run_bench
-    from impl.bench.records import write_jsonl
+def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
+    """The [workload] table, seed and number of clients, read as ``bidikv simulate`` reads them (TOML,
+    then flags), so the same config and flags describe the same run in both."""
     from sim.cli import workload_from_args
     from sim.config import load_config
-    from sim.workload import VLLM_MULTI_TURN, load_workload
+    from sim.workload import VLLM_MULTI_TURN
 
     base = load_config(args.config)
     workload = workload_from_args(base.workload, args)
+    if args.num_clients is not None and workload.get("kind") != VLLM_MULTI_TURN:
+        raise ValueError("--num-clients is vLLM's client flag (with --vllm-multi-turn-config); use --concurrency")
     seed = base.seed if args.seed is None else args.seed
+    return workload, seed, base.num_clients if args.num_clients is None else args.num_clients
+
+
+def run(args: argparse.Namespace) -> int:
+    from impl.bench.client import run_bench
+    from impl.bench.records import write_jsonl
+    from sim.workload import VLLM_MULTI_TURN, load_workload
+
+    workload, seed, num_clients = plan_from_args(args)
     conversations = load_workload(workload, seed)
     config = BenchConfig(url=args.url, mode=args.mode, model=args.model, concurrency=args.concurrency,
                          max_rate_per_s=args.max_rate, gap_scale=args.gap_scale, max_model_len=args.max_model_len,
@@ -67,10 +78,7 @@ def run(args: argparse.Namespace) -> int:
         from impl.bench.vllm_clients import run_vllm_bench
         from sim.bench_clients import config_from_workload
 
-        num_clients = base.num_clients if args.num_clients is None else args.num_clients
         records = asyncio.run(run_vllm_bench(config, conversations, config_from_workload(workload), num_clients))
-    elif args.num_clients is not None:
-        raise ValueError("--num-clients is vLLM's client flag (with --vllm-multi-turn-config); use --concurrency")
     else:
         records = asyncio.run(run_bench(config, conversations))
     if args.out:

@@ -47,11 +47,10 @@ class PromptBuilder:
         """Request ``index``: what came before (as the server answered it) and the new user ids."""
         key = conv.conversation_id
         rng = self._rngs.setdefault(key, random.Random(f"{self._config.seed}:bench:{key}"))
-        fresh = user_tokens(conv)[index]
         if index == 0:
             shared = self._common[:conv.shared_prefix_tokens]
             return shared + self._ids(rng, conv.turns[0].prompt_tokens - len(shared))
-        return self._history[key] + self._ids(rng, fresh)
+        return self._history[key] + self._ids(rng, user_tokens(conv)[index])
 
     def answered(self, conv: Conversation, prompt: list[int], generated: list[int]) -> None:
         self._history[conv.conversation_id] = prompt + generated
