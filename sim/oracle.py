@@ -23,6 +23,12 @@ tuner reports as "% of the oracle's saving":
 So a configuration can reach more than 100 % of the oracle's saving (the README's 101.4 % for a lease
 renewed until the next turn is one); read the percentage as "relative to perfect-foresight retention
 with time-optimal pulls", not as a fraction of the best achievable.
+
+For compute the tuner also reports a true bound (``bound%``, ``compute_saving_pct_of_bound``):
+every turn reuses all that P could verify of what D holds after the previous turn, or its own
+prefix-cache hit if larger (sim/tune/screen.py, ``TurnTable.compute_bound_tokens``); no configuration
+that completes every turn recomputes less (tests/tune/test_screen.py). For TTFT no bound is reported:
+per-turn queueing has none short of simulating, so the oracle stays a reference there.
 """
 
 from __future__ import annotations

@@ -142,6 +142,25 @@ def test_premises_name_what_makes_hits_depend_on_timing():
     assert screener(cfg, convs, PROFILE, 1)[0] is None
 
 
+@settings(max_examples=40)
+@given(convs=workloads(), prefix_caching=st.booleans())
+def test_compute_bound_holds_for_every_configuration(convs, prefix_caching):
+    """No configuration that completes every turn recomputes fewer tokens than the bound, the oracle included."""
+    cfg = _config(100_000)
+    cfg.policy.prefix_caching = prefix_caching
+    bound = TurnTable(cfg, convs, PROFILE).compute_bound_tokens()
+    lease_cfg = dataclasses.replace(cfg, clients=dataclasses.replace(cfg.clients, client_renewal="until_next_turn"))
+    runs = [(cfg, c.policy) for c in REFERENCES] + [
+        (cfg, {"retention": "ttl", "decoder_kv_blocks_ttl": 1e6, "recompute_policy": "fixed", "kv_recompute_threshold": 0}),
+        (lease_cfg, {"retention": "lease", "lease_s": 30.0, "heartbeat_interval_s": 10.0, "kv_recompute_threshold": 0})]
+    for c, policy in runs:
+        m = evaluate(c, policy, convs)
+        assert m["rejected"] or m["tokens_recomputed"] >= bound, policy
+    # and it is reached: the longest TTL pulling everything verified recomputes exactly the bound
+    if not prefix_caching:
+        assert evaluate(*runs[3], convs)["tokens_recomputed"] == bound
+
+
 def test_compute_bound_is_every_turn_reusing_all_it_verified():
     # turn 1 continues turn 0 faithfully (D holds 1000 + 50 - 1 = 1049 tokens, all verified): 1049 reused
     convs = [Conversation("c", 0.0, (Turn(1000, 50), Turn(1200, 50, gap_before_s=10.0)))]
