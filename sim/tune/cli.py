@@ -57,7 +57,8 @@ def register(subparsers: Any) -> None:
                    help="where sweep points run: a local process pool, a Ray cluster (RAY_ADDRESS) or this process "
                         "(default: %(default)s)")
     x.add_argument("--workers", type=number(int), default=None, metavar="N",
-                   help="process-pool size, >= 1 (default: CPU count)")
+                   help="process-pool size, or the CPUs of a Ray started locally (no RAY_ADDRESS), >= 1 "
+                        "(default: CPU count)")
     x.add_argument("--screen", action=argparse.BooleanOptionalAction, default=False,
                    help="screen fixed-TTL points from one pass over the workload (exact reuse figures, bounded "
                         "TTFT and retained HBM) and simulate only those the recommendation could be; the table marks "

@@ -6,10 +6,13 @@ A top-level function of plain data in, plain data out, so a process pool or Ray 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Any, Sequence
 
 from sim.config import SimConfig
 from sim.runner import run_config
+from sim.workload import load_workload
 from sim.workload.model import Conversation
 
 
@@ -17,6 +20,11 @@ def evaluate(config: SimConfig, policy_overrides: dict[str, Any],
              conversations: Sequence[Conversation] | None = None) -> dict[str, Any]:
     """``conversations``: the workload, if not the one ``config`` generates (tests give their own)."""
     cfg = dataclasses.replace(config, policy=dataclasses.replace(config.policy, **policy_overrides)).validate()
+    if conversations is None:
+        try:
+            conversations = _workload(json.dumps(cfg.workload, sort_keys=True), cfg.seed)
+        except TypeError:  # a spec JSON cannot carry: generate it for this point alone
+            conversations = load_workload(cfg.workload, cfg.seed)
     result = run_config(cfg, conversations=conversations)
     s = result.summary
     done = [r for r in result.records if not r.rejected]
@@ -36,6 +44,13 @@ def evaluate(config: SimConfig, policy_overrides: dict[str, Any],
         "ttft_cdf_ms": [t * 1e3 for t in ttfts[:: max(1, len(ttfts) // 200)]],
         "retained_series": _retained_series(result, cfg),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _workload(spec: str, seed: int) -> tuple[Conversation, ...]:
+    """The sweep's workload, generated once per worker process (a million turns take seconds to make;
+    conversations are frozen, so every point sees the same ones)."""
+    return tuple(load_workload(json.loads(spec), seed))
 
 
 def _retained_series(result: Any, cfg: SimConfig) -> list[tuple[float, float]]:

@@ -3,6 +3,7 @@ and each point is a pure function of (config, overrides), so both executors give
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import sys
@@ -23,24 +24,47 @@ def run_points(config: SimConfig | Sequence[SimConfig], overrides: Sequence[dict
     if executor == "serial":
         return [evaluate(c, o) for c, o in _progress(list(zip(configs, overrides)), progress)]
     if executor == "ray":
-        return _run_ray(configs, overrides, progress)
+        return _run_ray(configs, overrides, progress, workers)
     if executor != "process":
         raise ValueError(f"executor must be process, ray or serial, got {executor!r}")
     results: list[dict[str, Any] | None] = [None] * len(overrides)
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        futures = {pool.submit(evaluate, c, o): i for i, (c, o) in enumerate(zip(configs, overrides))}
-        for future in _progress(concurrent.futures.as_completed(futures), progress, total=len(futures)):
-            results[futures[future]] = future.result()
+    pool = _pool(workers or os.cpu_count() or 1)
+    futures = {pool.submit(evaluate, c, o): i for i, (c, o) in enumerate(zip(configs, overrides))}
+    for future in _progress(concurrent.futures.as_completed(futures), progress, total=len(futures)):
+        results[futures[future]] = future.result()
     return results  # type: ignore[return-value]
 
 
-def _run_ray(configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]], progress: bool) -> list[dict[str, Any]]:
+_POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
+
+
+def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """One pool per size for the life of the process: screening runs points a batch at a time, and a
+    worker keeps the workload it generated (sim/tune/evaluate.py) from one batch to the next."""
+    if workers not in _POOLS:
+        _POOLS[workers] = concurrent.futures.ProcessPoolExecutor(max_workers=workers)
+        if len(_POOLS) == 1:
+            atexit.register(_shutdown)
+    return _POOLS[workers]
+
+
+def _shutdown() -> None:
+    for pool in _POOLS.values():
+        pool.shutdown(cancel_futures=True)
+    _POOLS.clear()
+
+
+def _run_ray(configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]], progress: bool,
+             workers: int | None = None) -> list[dict[str, Any]]:
     try:
         import ray
     except ImportError:
         raise ValueError("--executor ray needs Ray: pip install 'bidikv[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        address = os.environ.get("RAY_ADDRESS")
+        # a local Ray starts with --workers CPUs (a cluster at RAY_ADDRESS has its own)
+        local = {} if address or workers is None else {"num_cpus": workers}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, **local)
     remote = ray.remote(evaluate)
     refs = [remote.remote(c, o) for c, o in zip(configs, overrides)]
     pending = list(refs)
