@@ -17,10 +17,12 @@ from typing import Any, Callable, Generator, Sequence
 import simpy
 
 from calibration.profile import LatencyProfile
-from impl.policy import ConversationStore, HeartbeatLease
+from impl.policy import ConversationStore
 from sim.clients import ClientRenewal
+from sim.conversation_client import ConversationClient
 from sim.config import SimConfig
 from sim.decode import DecodeNode
+from sim.instant import process_now
 from sim.interconnect import Interconnect
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
@@ -83,57 +85,6 @@ class Cluster:
             return None
         return now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, now)
 
-    def _client_pool_worker(self, queue: "collections.deque[Conversation]") -> Generator[simpy.Event, Any, None]:
-        while queue:
-            yield from self._client(queue.popleft())
-
-    def _client(self, conv: Conversation) -> Generator[simpy.Event, Any, None]:
-        env = self.env
-        key = (conv.tenant, conv.conversation_id)
-        lease = self.router.decode[0].retention if self.config.policy.retention == "lease" else None
-        if conv.start_s > env.now:
-            yield env.timeout(conv.start_s - env.now)
-        renew_until = release = env.now
-        lineage = Lineage(conv.turns)  # what each prompt shares with what earlier turns left on P and D
-        for index, turn in enumerate(conv.turns):
-            if index:
-                if lease is not None:
-                    yield from self._heartbeats(key, renew_until, release, lease)
-                if release > env.now:
-                    yield env.timeout(release - env.now)
-            self._conversations[key] = conv
-            self._turn_index[key] = index
-            rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, env.now)
-            self.records.append(rec)
-            yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage)
-            nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
-            if nxt is not None:
-                release = env.now + nxt.gap_before_s if nxt.arrival_s is None else max(nxt.arrival_s, env.now)
-            if lease is not None:
-                renew_until = self.renewal.renew_until(conv, index, env.now, release if nxt is not None else None)
-        self._live_clients -= 1
-        if lease is not None and renew_until > env.now:
-            # after the last turn a lingering client keeps renewing on its own; a pooled client moves on
-            self.env.process(self._heartbeats(key, renew_until, math.inf, lease))
-
-    def _heartbeats(self, key: tuple[str, str], until: float, release: float,
-                    lease: HeartbeatLease | None) -> Generator[simpy.Event, Any, None]:
-        """Heartbeat every interval from now (the turn's finish) while before ``until`` and ``release``.
-
-        The next turn retains its blocks afresh, so beats stop before it; beyond the lease's
-        ``max_hold_s`` the router answers ``renewed: false`` and a client stops. Beats also stop once
-        every client is done: the measurement window ends with the last turn for every policy (a fixed
-        TTL's tail after it is not counted either).
-        """
-        if lease is None:
-            return
-        env = self.env
-        stop = min(until, release - 1e-9, env.now + lease.max_hold_s)
-        while env.now + lease.heartbeat_interval_s <= stop and self._live_clients > 0:
-            yield env.timeout(lease.heartbeat_interval_s)
-            self.heartbeats_sent += 1
-            self.router.heartbeat(key)
-
     def _sampler(self, interval: float) -> Generator[simpy.Event, Any, None]:
         while self._live_clients > 0:
             for d in self.decode:
@@ -141,16 +92,25 @@ class Cluster:
                 self.series.append((self.env.now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
             yield self.env.timeout(interval)
 
-    def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
-        """Send turn ``index`` of ``conv`` now and wait until it finishes: the hook for a client loop that
-        interleaves conversations (vLLM's benchmark clients, sim/bench_clients.py)."""
+    def send_turn(self, conv: Conversation, index: int, lineage: Lineage | None,
+                  on_done: Callable[[], None]) -> TurnRecord:
+        """Send turn ``index`` of ``conv`` now; ``on_done()`` runs from the event that ends it."""
         key = (conv.tenant, conv.conversation_id)
         self._conversations[key] = conv
         self._turn_index[key] = index
         turn = conv.turns[index]
         rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env.now)
         self.records.append(rec)
-        yield from self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage)
+        self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, on_done)
+        return rec
+
+    def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
+        """Send turn ``index`` of ``conv`` now and wait until it finishes: the hook for a client loop that
+        interleaves conversations (vLLM's benchmark clients, sim/bench_clients.py)."""
+        finished = self.env.event()
+        # processed on the spot: the turn's last event resumes this process, as when the turn was a generator
+        rec = self.send_turn(conv, index, lineage, lambda: process_now(finished))
+        yield finished
         return rec
 
     def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None,
@@ -162,13 +122,22 @@ class Cluster:
         self._live_clients = len(conversations)
         if clients is not None:
             self._live_clients = clients(self, conversations)
-        elif self.config.num_clients:
-            queue = collections.deque(conversations)
-            for _ in range(self.config.num_clients):
-                env.process(self._client_pool_worker(queue))
         else:
-            for conv in conversations:
-                env.process(self._client(conv))
+            # clients started here act where their processes would first have run: every process
+            # started at time 0 before any other event, in this order
+            lease = self.router.decode[0].retention if self.config.policy.retention == "lease" else None
+            if self.config.num_clients:
+                queue = collections.deque(conversations)
+
+                def next_conversation() -> None:
+                    if queue:
+                        ConversationClient(self, queue.popleft(), lease, next_conversation).start()
+
+                for _ in range(self.config.num_clients):
+                    next_conversation()
+            else:
+                for conv in conversations:
+                    ConversationClient(self, conv, lease, None).start()
         env.process(self._sampler(self.config.series_interval_s))
         until = self.config.max_sim_time_s
         if progress is not None:

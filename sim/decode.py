@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import TYPE_CHECKING, Any, Callable, Generator
+from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
@@ -214,11 +214,12 @@ class DecodeNode:
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------
-    def serve(self, rec: TurnRecord, key: Any, revision: int, p_name: str,
-              lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
-        """simpy process body: take the prompt's KV (local hit + pull from P), decode, finish. ``lineage``:
-        what the prompt shares with earlier turns (None: every turn continues the last faithfully)."""
-        env, profile = self.env, self.profile
+    def serve(self, rec: TurnRecord, key: Any, revision: int, p_name: str, lineage: "Lineage | None",
+              on_done: Callable[[], None]) -> None:
+        """Take the prompt's KV (local hit + pull from P), decode, finish; ``on_done()`` runs from the
+        event that ends the turn (at once if D rejects it). ``lineage``: what the prompt shares with
+        earlier turns (None: every turn continues the last faithfully)."""
+        env = self.env
         n = rec.prompt_tokens
         self._advance_retention(env.now)
         hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
@@ -232,18 +233,28 @@ class DecodeNode:
             rec.rejected = "prompt exceeds the decode instance's KV capacity"
             self.totals.rejected += 1
             self._released()
+            on_done()
             return
         if self._make_room(needed, env.now) and not self._waiting_blocks:
             self.arriving_blocks += needed
+            self._admitted(rec, key, revision, p_name, needed + hit_blocks, hit_tokens, arrived_at, on_done)
         else:
             ready = env.event()
             self._waiting_blocks.append((needed, ready))
-            yield ready
+            ready.callbacks.append(lambda _event: self._admitted(rec, key, revision, p_name, needed + hit_blocks,
+                                                                 hit_tokens, arrived_at, on_done))
+
+    def _admitted(self, rec: TurnRecord, key: Any, revision: int, p_name: str, blocks: int, hit_tokens: int,
+                  arrived_at: float, on_done: Callable[[], None]) -> None:
+        """The turn has its blocks: take the rest of the prompt's KV from P, then join the batch."""
+        env, profile = self.env, self.profile
+        n = rec.prompt_tokens
         rec.d_queue_s = env.now - arrived_at
         self._check()
         rec.p2d_tokens = n - hit_tokens
         done = env.event()  # the turn's end (an event has no place in the queue until triggered)
-        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, done)
+        done.callbacks.append(lambda _event: on_done())
+        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), blocks, done)
         if rec.p2d_tokens > 0:
             # the KV arrives, then the sequence joins: from the transfer's own event, no resume between
             def arrived(elapsed: float) -> None:
@@ -254,7 +265,6 @@ class DecodeNode:
             self.interconnect.start(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed, arrived)
         else:
             self._join(seq)
-        yield done
 
     def _join(self, seq: _Seq) -> None:
         self._joining.append(seq)

@@ -9,7 +9,10 @@ code the resumed process would run inside the caller's generator, before the cal
 
 from __future__ import annotations
 
+from typing import Callable
+
 import simpy
+from simpy.events import URGENT
 
 
 def process_now(event: simpy.Event) -> None:
@@ -27,3 +30,13 @@ def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
         process_now(event)
     else:
         event.succeed()
+
+
+def call_soon(env: simpy.Environment, callback: Callable[[simpy.Event], None]) -> None:
+    """Run ``callback`` from an urgent event at this instant: where simpy starts a process created now
+    (its Initialize event), so a callback chain started here keeps a process's place in the order."""
+    event = simpy.Event(env)
+    event._ok = True
+    event._value = None
+    event.callbacks.append(callback)
+    env.schedule(event, URGENT)

@@ -13,7 +13,7 @@ budget (chunked prefill) and charges each step from the profile.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
@@ -110,11 +110,12 @@ class PrefillNode:
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
-              remote: "tuple[DecodeNode, int, int, int] | None",
-              lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
-        """simpy process body: prefill ``rec``'s prompt, pulling the verified part of what ``remote`` =
-        (D, tokens held, turn held, that turn's prompt tokens) holds if worth it. ``lineage``: what the
-        prompt shares with earlier turns (None: every turn continues the last faithfully)."""
+              remote: "tuple[DecodeNode, int, int, int] | None", lineage: "Lineage | None",
+              on_done: Callable[[], None]) -> None:
+        """Prefill ``rec``'s prompt, pulling the verified part of what ``remote`` = (D, tokens held, turn
+        held, that turn's prompt tokens) holds if worth it; ``on_done()`` runs from the event that ends the
+        prefill. ``lineage``: what the prompt shares with earlier turns (None: every turn continues the
+        last faithfully)."""
         profile = self.profile
         n = rec.prompt_tokens
         local_hit = (self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens, lineage, rec.turn)
@@ -142,7 +143,7 @@ class PrefillNode:
                     reused = rec.pulled_tokens = decision.tokens
                     nbytes = profile.transfer_bytes(reused)
                     fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
-                    # pull, end the read, pay the reuse overhead, queue: callbacks, one resume (at done)
+                    # pull, end the read, pay the reuse overhead, queue: callbacks from the events themselves
                     job: _Job | None = None
 
                     def pulled(elapsed: float, d_node: "DecodeNode" = d_node, reused: int = reused) -> None:
@@ -158,9 +159,12 @@ class PrefillNode:
                         nonlocal job
                         job = self._enqueue(rec, local_hit, reused, done)
 
+                    def finished(_event: simpy.Event) -> None:
+                        self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
+                        on_done()
+
+                    done.callbacks.append(finished)
                     self.interconnect.start(d_node.name, self.name, nbytes, fixed, pulled)
-                    yield done
-                    self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
                     return
             else:
                 # below the threshold only because the prompt diverges from what D holds: say so
@@ -168,9 +172,13 @@ class PrefillNode:
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else decision.reason.value
         else:
             rec.decision = "none"
-        job = self._enqueue(rec, local_hit, reused, done)
-        yield done
-        self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
+        queued = self._enqueue(rec, local_hit, reused, done)
+
+        def computed(_event: simpy.Event) -> None:
+            self._finished(rec, queued, conv_key, revision, shared_prefix_tokens)
+            on_done()
+
+        done.callbacks.append(computed)
 
     def _enqueue(self, rec: "TurnRecord", local_hit: int, reused: int, done: simpy.Event) -> _Job:
         """Queue the part of the prompt left to compute."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
@@ -80,9 +80,11 @@ class Router:
                 self._d_dirty.add(d)
 
     def handle(self, rec: "TurnRecord", key: tuple[str, str], revision: int, shared_prefix_tokens: int,
-               lineage: "Lineage | None" = None) -> Generator[simpy.Event, Any, None]:
-        """``lineage``: what the conversation's prompts share with earlier turns (None: every turn
-        continues the last faithfully); only P's verification and the caches read it."""
+               lineage: "Lineage | None", on_done: Callable[[], None]) -> None:
+        """Route one turn through P then D; ``on_done()`` runs from the event that ends it (callbacks, no
+        process: a turn resumes nothing in between). ``lineage``: what the conversation's prompts share
+        with earlier turns (None: every turn continues the last faithfully); only P's verification and
+        the caches read it."""
         env = self.env
         now = env.now
         n = rec.prompt_tokens
@@ -108,12 +110,15 @@ class Router:
         p_name = self._pick_p(p_req)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
-        yield from p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage)
-        self._last_prefill[key] = (p_name, n)
-        d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
-        d_name = self._pick_d(d_req)
-        rec.decode_instance = d_name
-        yield from self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage)
+
+        def prefilled() -> None:
+            self._last_prefill[key] = (p_name, n)
+            d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
+            d_name = self._pick_d(d_req)
+            rec.decode_instance = d_name
+            self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage, on_done)
+
+        p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage, prefilled)
 
     # -- placement -------------------------------------------------------------------------------
     def _pick_p(self, request: PlacementRequest) -> str:

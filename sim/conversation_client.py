@@ -1,0 +1,112 @@
+"""One conversation's client, closed loop, as callbacks: a turn is released a think/tool gap after the
+previous one completed (or at its trace arrival time, if later). Under a heartbeat lease the client
+heartbeats after a turn for as long as its renewal behaviour says (:mod:`sim.clients`).
+
+Callbacks rather than a simpy process per conversation: the client acts at the same events a process
+would resume at (the first arrival, each turn's end, each gap's and heartbeat's timer), in the same
+order, without a resume, a generator per turn, or the events a process's start and end cost.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import simpy
+
+from sim.instant import call_soon
+from sim.workload.model import Conversation, Lineage
+
+if TYPE_CHECKING:
+    from sim.cluster import Cluster
+
+
+class ConversationClient:
+    __slots__ = ("cluster", "conv", "key", "lease", "lineage", "index", "release", "renew_until", "on_exit")
+
+    def __init__(self, cluster: "Cluster", conv: Conversation, lease: Any, on_exit: Callable[[], None] | None) -> None:
+        self.cluster, self.conv, self.lease, self.on_exit = cluster, conv, lease, on_exit
+        self.key = (conv.tenant, conv.conversation_id)
+        self.lineage: Lineage | None = None
+        self.index = 0
+        self.release = self.renew_until = 0.0
+
+    def start(self) -> None:
+        env = self.cluster.env
+        if self.conv.start_s > env.now:
+            env.timeout(self.conv.start_s - env.now).callbacks.append(self._first_turn)
+        else:
+            self._first_turn()
+
+    def _first_turn(self, _event: simpy.Event | None = None) -> None:
+        self.renew_until = self.release = self.cluster.env.now
+        self.lineage = Lineage(self.conv.turns)  # what each prompt shares with what earlier turns left on P and D
+        self._send()
+
+    def _send(self, _event: simpy.Event | None = None) -> None:
+        self.cluster.send_turn(self.conv, self.index, self.lineage, self._turn_done)
+
+    def _turn_done(self) -> None:
+        cluster, conv, index = self.cluster, self.conv, self.index
+        now = cluster.env.now
+        nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
+        if nxt is not None:
+            self.release = now + nxt.gap_before_s if nxt.arrival_s is None else max(nxt.arrival_s, now)
+        if self.lease is not None:
+            self.renew_until = cluster.renewal.renew_until(conv, index, now, self.release if nxt is not None else None)
+        if nxt is None:
+            self._exit()
+            return
+        self.index = index + 1
+        if self.lease is not None:
+            self._heartbeats(self.renew_until, self.release, self._wait_release)
+        else:
+            self._wait_release()
+
+    def _wait_release(self) -> None:
+        env = self.cluster.env
+        if self.release > env.now:
+            env.timeout(self.release - env.now).callbacks.append(self._send)
+        else:
+            self._send()
+
+    def _exit(self) -> None:
+        cluster = self.cluster
+        cluster._live_clients -= 1
+        if self.lease is not None and self.renew_until > cluster.env.now:
+            # after the last turn a lingering client keeps renewing on its own (from where a process
+            # started now would start); a pooled client moves on
+            until = self.renew_until
+            call_soon(cluster.env, lambda _event: self._heartbeats(until, math.inf, _nothing))
+        if self.on_exit is not None:
+            self.on_exit()
+
+    def _heartbeats(self, until: float, release: float, then: Callable[[], None]) -> None:
+        """Heartbeat every interval from now (the turn's finish) while before ``until`` and ``release``,
+        then ``then()``.
+
+        The next turn retains its blocks afresh, so beats stop before it; beyond the lease's
+        ``max_hold_s`` the router answers ``renewed: false`` and a client stops. Beats also stop once
+        every client is done: the measurement window ends with the last turn for every policy (a fixed
+        TTL's tail after it is not counted either).
+        """
+        lease = self.lease
+        stop = min(until, release - 1e-9, self.cluster.env.now + lease.max_hold_s)
+        self._next_beat(stop, then)
+
+    def _next_beat(self, stop: float, then: Callable[[], None]) -> None:
+        cluster, interval = self.cluster, self.lease.heartbeat_interval_s
+        if cluster.env.now + interval <= stop and cluster._live_clients > 0:
+            cluster.env.timeout(interval).callbacks.append(lambda _event: self._beat(stop, then))
+        else:
+            then()
+
+    def _beat(self, stop: float, then: Callable[[], None]) -> None:
+        cluster = self.cluster
+        cluster.heartbeats_sent += 1
+        cluster.router.heartbeat(self.key)
+        self._next_beat(stop, then)
+
+
+def _nothing() -> None:
+    pass
