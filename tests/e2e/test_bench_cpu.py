@@ -63,3 +63,53 @@ def test_bench_through_the_router_records_what_p_pulled(e2e: E2E, tmp_path: Path
     print(fit.stdout)
     assert fit.returncode == 0, fit.stdout + fit.stderr
     assert "fitted from 6 turns" in fit.stdout
+
+
+# vLLM's multi-turn benchmark config format (benchmarks/multi_turn/generate_multi_turn.json), small:
+# 4 conversations of 6 messages (3 requests), a 64-token common prefix, 160 tokens of context each
+VLLM_MULTI_TURN_CONFIG = {
+    "filetype": "generate_conversations", "num_conversations": 4, "text_files": ["unused.txt"],
+    "prompt_input": {"num_turns": {"distribution": "constant", "value": 6},
+                     "common_prefix_num_tokens": {"distribution": "constant", "value": 64},
+                     "prefix_num_tokens": {"distribution": "constant", "value": 160},
+                     "num_tokens": {"distribution": "uniform", "min": 30, "max": 50}},
+    "prompt_output": {"num_tokens": {"distribution": "constant", "value": 64}},
+}
+
+
+def test_bench_replays_a_vllm_multi_turn_config_as_the_simulator_plans_it(e2e: E2E, tmp_path: Path):
+    import csv
+    import json
+
+    config = tmp_path / "multi_turn.json"
+    config.write_text(json.dumps(VLLM_MULTI_TURN_CONFIG))
+    seed = str(uuid.uuid4().int % 1_000_000)  # fresh prompts: no prefix shared with an earlier run on P
+    flags = ["--vllm-multi-turn-config", str(config), "--seed", seed, "--num-clients", "2",
+             "--max-active-conversations", "4", "--no-early-stop"]
+    out = tmp_path / "bench.jsonl"
+    run = subprocess.run([sys.executable, "-m", "impl.cli", "bench", "--url", e2e.router, "--mode", "on", *flags,
+                          "--out", str(out), "--token-id-low", str(FIRST_ORDINARY_ID), "--token-id-high", str(VOCAB_SIZE)],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    print("\n" + run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    sim_dir = tmp_path / "sim"
+    sim = subprocess.run([sys.executable, "-m", "impl.cli", "simulate", *flags, "--out", str(sim_dir)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    with open(sim_dir / "records.csv") as fh:
+        plan = {(row["conversation"], int(row["turn"])): row for row in csv.DictReader(fh)}
+    records = read_jsonl(out)
+    assert all(r.ok for r in records), [r.error for r in records if r.error]
+    # without early stop the requests sent do not depend on timing: the simulator's set, exactly. Each
+    # client (2 active conversations) stops when its first one ends and the queue is empty, abandoning the
+    # other's last request, as vLLM's client does: 2 x 5 of the 12 planned requests
+    assert {(r.conversation, r.turn) for r in records} == set(plan) and len(records) == 10
+    answered = {(r.conversation, r.turn): r.output_tokens for r in records}
+    for r in records:
+        planned = plan[(r.conversation, r.turn)]
+        assert 1 <= r.output_tokens <= 64  # max_tokens only: the answer may stop at EOS
+        # the prompt is the plan less what earlier answers fell short of max_tokens
+        shortfall = sum(64 - answered[(r.conversation, k)] for k in range(r.turn))
+        assert r.prompt_tokens == int(planned["prompt_tokens"]) - shortfall
+        if r.turn:
+            assert r.reuse_offered_tokens > 0, "the router did not offer D's blocks on a later turn"
