@@ -41,6 +41,8 @@ bidikv_nixl_progress_thread        true       NIXL agent progress thread (``nixl
                                               blocks to be readable while its engine is idle
 bidikv_nixl_progress_delay_us      1000       the progress thread's delay between rounds (NIXL's Python
                                               API hardcodes 0 = spin a core); 0 restores spinning
+bidikv_keep_cpu_affinity           true       undo vLLM's re-pinning of the model thread (0.32 on CPU: the last
+                                              core of each NUMA node, i.e. every P and D of a host on one core)
 bidikv_idle_step_sleep_s           5.0        longest wait of an engine step that schedules nothing while
                                               blocks are only held for a peer; it ends within 5 ms of a new
                                               request (0: off, vLLM's 1 ms stepping); see scheduler.py
@@ -112,6 +114,7 @@ _OTHER_KEYS = (
     "bidikv_nixl_progress_thread",
     "bidikv_nixl_progress_delay_us",
     "bidikv_idle_step_sleep_s",
+    "bidikv_keep_cpu_affinity",
     "bidikv_notify",
     "bidikv_notify_timeout_s",
     "bidikv_heartbeat_port",
@@ -194,6 +197,7 @@ class ConnectorSettings:
     nixl_progress_thread: bool = True
     nixl_progress_delay_us: int = 1000
     idle_step_sleep_s: float = 5.0
+    keep_cpu_affinity: bool = True
     notify: bool = True
     notify_timeout_s: float = 1.0
     heartbeat_port: int = 0
@@ -266,6 +270,7 @@ class ConnectorSettings:
             nixl_progress_thread=_bool(extra, "bidikv_nixl_progress_thread", _default("nixl_progress_thread")),
             nixl_progress_delay_us=_int(extra, "bidikv_nixl_progress_delay_us", _default("nixl_progress_delay_us"), 0),
             idle_step_sleep_s=_idle_sleep(extra),
+            keep_cpu_affinity=_bool(extra, "bidikv_keep_cpu_affinity", _default("keep_cpu_affinity")),
             notify=_bool(extra, "bidikv_notify", _default("notify")),
             notify_timeout_s=_seconds(extra, "bidikv_notify_timeout_s", _default("notify_timeout_s"), positive=True),
             heartbeat_port=_port(extra, "bidikv_heartbeat_port"),

@@ -18,6 +18,15 @@ threaded UCX engine then waits for events between progress rounds instead of spi
 test (holder never polling from Python) 128 KiB READs took 0.3-6 ms with the holder's process at ~1 %
 CPU. ``bidikv_nixl_progress_delay_us: 0`` restores NIXL's spinning thread.
 
+**CPU affinity.** On a CPU device vLLM 0.32's worker ``__init__`` calls ``os.sched_setaffinity(0,
+[last core of each NUMA node])`` ("reserve different cores for start_load_kv() from model_forward()",
+``nixl/base_worker.py``); the calling thread is the worker's main thread, the one that runs the model. So
+on one host every P and D runs its forward passes on the same last core (measured on this project's
+2-core machine: both workers' main threads on core 1, core 0 nearly idle, and a P pinned to core 0 by its
+launcher still computing on core 1 beside D). With ``bidikv_keep_cpu_affinity`` (default on) this worker
+puts back the mask the process had before; off keeps vLLM's. GPU workers are not re-pinned by vLLM and
+are left alone either way.
+
 Nothing else of the worker changes: the READs, notifications, expiry checks and failure handling are
 vLLM's.
 """
@@ -94,14 +103,32 @@ def patched_agent_config(overrides: dict[str, Any], progress_delay_us: int | Non
                 bindings.nixlAgent = original_agent
 
 
+def _affinity() -> set[int] | None:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def restore_affinity(before: set[int] | None) -> bool:
+    """Put the calling thread's CPU mask back to ``before`` if something changed it; True if it did."""
+    now = _affinity()
+    if before is None or now is None or now == before:
+        return False
+    os.sched_setaffinity(0, before)
+    log.info("bidikv: vLLM pinned the model thread to CPUs %s; restored %s (bidikv_keep_cpu_affinity)",
+             sorted(now), sorted(before))
+    return True
+
+
 class BidikvPullWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig",
                  settings: ConnectorSettings) -> None:
         self.settings = settings
         overrides = settings.agent_config_overrides()
         delay = settings.nixl_progress_delay_us if settings.nixl_progress_thread else None
+        affinity = _affinity()
         with patched_agent_config(overrides, delay):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        if settings.keep_cpu_affinity:
+            restore_affinity(affinity)
         # vLLM aggregates the scheduler's stats into ours key by key: one class with every key
         self.xfer_stats = BidikvKVConnectorStats()
         log.info("bidikv connector worker %s: NIXL agent with %s, progress delay %s us", engine_id,

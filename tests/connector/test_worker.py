@@ -9,6 +9,8 @@ compiled bindings' ``nixlAgent`` constructor and records the real config struct'
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import nixl._api as nixl_api  # part of the test setup (the 'impl' extra): missing is a failure, not a skip
@@ -115,3 +117,37 @@ def test_connector_worker_builds_its_agent_with_our_settings(model_dir, single_p
         assert base_worker.nixl_agent_config is nixl_api.nixl_agent_config  # restored after construction
     finally:
         connector.shutdown()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_model_threads_cpu_mask_survives_vllms_worker_init(model_dir, single_process_group, bindings, keep):
+    """vLLM 0.32's CPU worker pins the constructing thread (the model thread) to the last core of each NUMA
+    node; with bidikv_keep_cpu_affinity the mask the process had is put back. Run on the real vLLM worker:
+    the thread starts on every core but that last one, so vLLM's pin is visible as a change."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.platforms import current_platform
+
+    from impl.connector.connector import NixlConnector
+    from tests.connector.harness import make_kv_cache_config, make_vllm_config
+
+    if current_platform.device_type != "cpu":
+        pytest.skip(f"vLLM re-pins only on a CPU device, here {current_platform.device_type!r}")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores to tell vLLM's pin from the mask the thread had")
+    reserved = {max(c) for c in current_platform.discover_numa_topology()}
+    before = set(cores) - reserved or {cores[0]}
+    vllm_config = make_vllm_config(model_dir, "kv_consumer", {"bidirectional_kv_xfer": True,
+                                                              "bidikv_keep_cpu_affinity": keep})
+    original = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, before)
+    try:
+        with set_current_vllm_config(vllm_config):
+            connector = NixlConnector(vllm_config, KVConnectorRole.WORKER, make_kv_cache_config())
+        try:
+            assert os.sched_getaffinity(0) == (before if keep else reserved)
+        finally:
+            connector.shutdown()
+    finally:
+        os.sched_setaffinity(0, original)
