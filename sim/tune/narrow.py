@@ -2,16 +2,20 @@
 
 The screen (sim/tune/screen.py) gives a fixed-TTL point's reuse figures exactly and bounds the rest:
 TTFT from below, retained HBM*s between two bounds. A screened point is simulated in full when the
-recommendation could be it: it may fit the HBM budget (its lower bound of retained HBM*s, over the
-longest run simulated so far, fits) and its objective's lower bound is within the tolerance of the
-best objective simulated so far (among fixed TTLs, gap quantiles and vLLM's default: leases, which
-could only lower that best, are left out, so this simulates at least as much as needed). Points are
-simulated best-bound first, a batch at a time, until none is left open; every other point keeps its
-screened figures, marked ``screened``, and is never recommended.
+recommendation could be it: its objective's lower bound is within the tolerance of the best objective
+simulated so far (among fixed TTLs, gap quantiles and vLLM's default: leases, which could only lower
+that best, are left out, so this simulates at least as much as needed), and it may fit the HBM budget.
+"May fit" is the one judgement not made on a bound: the lower bound of retained HBM*s counts nothing
+for a conversation's last blocks (only the simulation knows where the run ends), far too loose to rule
+anything out, so the screen's estimate is used, less a slack: twice the largest relative error the
+estimate showed on the points simulated so far (vLLM's default and the probe at least), and never less
+than ``MIN_HBM_SLACK``. Points are simulated best-bound first, a batch at a time, until none is left
+open; every other point keeps its screened figures, marked ``screened``, and is never recommended.
 
-Every simulated fixed-TTL point also checks the screen: its reuse figures must equal the screened ones
-and it must show no memory pressure (the premise that makes them exact). If either fails, every
-screened point is simulated and a note says why.
+The probe: the screened point holding blocks longest is always simulated, since it retains the most.
+Every simulated point checks the screen: it must show no memory pressure on D (the premise that makes
+screened hits exact), and a simulated fixed-TTL point's reuse figures must equal the screened ones. If
+either fails, every screened point is simulated and a note says why.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ EXACT_KEYS = ("tokens_recomputed", "tokens_reused", "tokens_pulled", "tokens_off
 # How far a screened run's length may be from the simulated ones' (it divides retained GB*s into a mean):
 # runs differ by the service times of their last turns, seconds against the workload's span.
 RUN_LENGTH_SLACK = 0.01
+MIN_HBM_SLACK = 0.02  # the least the retained HBM*s estimate is trusted to be off by (relative)
 
 
 @dataclass
@@ -60,14 +65,22 @@ def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float])
 
 def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any]], jobs: int,
            counts_for_best: Callable[[int], bool], run: Callable[[list[int]], list[dict[str, Any]]],
-           objective: str, budget_gb: float, tolerance_pct: float, batch: int) -> Narrowing:
+           objective: str, budget_gb: float, tolerance_pct: float, batch: int,
+           references: dict[int, dict[str, Any]] | None = None) -> Narrowing:
     """``screened``: job -> screen figures; ``results``: job -> figures of the jobs already simulated
     (every job not screened); ``run`` simulates jobs; ``counts_for_best``: may the job's simulated
-    objective set the best (a non-lease sweep point or vLLM's default)."""
+    objective set the best (a non-lease sweep point or vLLM's default); ``references``: screen figures
+    of simulated jobs (vLLM's default), to check the screen against."""
     key = OBJECTIVES[objective]
     results = dict(results)
     out = Narrowing([], screened=set(screened))
     open_ = set(screened)
+    checks = dict(references or {})  # job -> screen figures, for every simulated job the screen also covers
+
+    def hbm_slack() -> float:
+        errors = [abs(f["retained_hbm_gb_s_estimate"] - results[j]["retained_hbm_gb_s"]) / results[j]["retained_hbm_gb_s"]
+                  for j, f in checks.items() if j in results and results[j]["retained_hbm_gb_s"] > 0]
+        return max([MIN_HBM_SLACK, *(2 * e for e in errors)])
 
     def lengths() -> tuple[float, float]:
         simulated = [m["sim_time_s"] for m in results.values()]
@@ -85,6 +98,7 @@ def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any
         fresh = [jobs[0] for key, jobs in groups.items() if key not in known]
         for job, metrics in zip(fresh, run(fresh) if fresh else []):
             known[screened[job]["same_simulation_key"] if twins else job] = metrics
+            checks[job] = screened[job]
             wrong = [k for k in EXACT_KEYS if metrics[k] != screened[job][k]]
             if pressure_seen(metrics):
                 out.notes.append("a simulated fixed-TTL point showed memory pressure on D (drops, preemptions or "
@@ -107,7 +121,15 @@ def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any
         fig = screened[job]
         return fig["tokens_recomputed"] if key == "tokens_recomputed" else fig["ttft_lower_bound_ms"][key.split("_")[1]]
 
-    if any(pressure_seen(m) for m in results.values()):
+    for job, figures in checks.items():
+        wrong = [k for k in EXACT_KEYS if results[job][k] != figures[k]]
+        if wrong and not pressure_seen(results[job]):
+            out.notes.append(f"vLLM's default's {', '.join(wrong)} differ from the screen's: every point was simulated "
+                             "(please report this workload)")
+            simulate(sorted(open_), twins=False)
+    if not open_:
+        pass
+    elif any(pressure_seen(m) for m in results.values()):
         out.notes.append("a simulated point showed memory pressure on D (drops, preemptions or rejections): screened "
                          "hits are not exact here, every point was simulated")
         simulate(sorted(open_), twins=False)
@@ -121,10 +143,11 @@ def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any
             break
         _, longest = lengths()
         feasible = [m[key] for j, m in results.items()
-                    if counts_for_best(j) and m["rejected"] == 0 and m["retained_hbm_gb_s"] / m["sim_time_s"] <= budget_gb]
+                    if counts_for_best(j) and m["rejected"] == 0 and m["retained_hbm_gb_s"] <= budget_gb * m["sim_time_s"]]
         best = min(feasible, default=math.inf)
+        least = 1 - hbm_slack()
         candidates = sorted((objective_lo(j), j) for j in open_
-                            if screened[j]["retained_hbm_gb_s_bounds"][0] / longest <= budget_gb
+                            if screened[j]["retained_hbm_gb_s_estimate"] * least <= budget_gb * longest
                             and objective_lo(j) <= best * (1 + tolerance_pct / 100.0) + 1e-9)
         if not candidates:
             break

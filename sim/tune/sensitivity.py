@@ -148,19 +148,19 @@ def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], conf
     from sim.tune.narrow import narrow
 
     screened: dict[int, dict[str, Any]] = {}
+    references: dict[int, dict[str, Any]] = {}  # always simulated; their screen figures check the screen
     counts: set[int] = set()
     for c, jobs in zip(candidates, index):
         if c.kind in ("sweep", "default") and not depends_on_clients(c):
             counts.update(jobs.values())
-        if c.kind == "sweep" and not depends_on_clients(c):
             figures = screen(c)
             if figures is not None:
-                screened[jobs["*"]] = figures
+                (screened if c.kind == "sweep" else references)[jobs["*"]] = figures
     first = [j for j in range(len(configs)) if j not in screened]
     done = dict(zip(first, run([configs[j] for j in first], [overrides[j] for j in first])))
     return narrow(screened, done, len(configs), counts.__contains__,
                   lambda jobs: run([configs[j] for j in jobs], [overrides[j] for j in jobs]),
-                  objective, budget_gb, tolerance_pct, batch)
+                  objective, budget_gb, tolerance_pct, batch, references)
 
 
 def _f(x: float | None, fmt: str) -> str:
