@@ -109,5 +109,8 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
                      "calibration/README.md 'Leave one model out' has the last table")
     else:
         lines += expected_error_lines(summary, prov["same_family_fit"])
+        if prov["carried_from"].startswith("given"):
+            lines[-1] = ("  -> this profile: built from given efficiencies; the bands above were measured for the "
+                         "built-in carry-over, not for them")
     lines += bench_commands(profile, profile_path)
     return "\n".join(lines)
