@@ -63,16 +63,16 @@ def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float])
     return out
 
 
-def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any]], jobs: int,
+def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: int,
            counts_for_best: Callable[[int], bool], run: Callable[[list[int]], list[dict[str, Any]]],
            objective: str, budget_gb: float, tolerance_pct: float, batch: int,
            references: dict[int, dict[str, Any]] | None = None) -> Narrowing:
-    """``screened``: job -> screen figures; ``results``: job -> figures of the jobs already simulated
-    (every job not screened); ``run`` simulates jobs; ``counts_for_best``: may the job's simulated
+    """``screened``: job -> screen figures; ``pending``: the jobs to simulate anyway (every job not
+    screened: they run with the probe, in one batch); ``run`` simulates jobs; ``counts_for_best``: may the job's simulated
     objective set the best (a non-lease sweep point or vLLM's default); ``references``: screen figures
     of simulated jobs (vLLM's default), to check the screen against."""
     key = OBJECTIVES[objective]
-    results = dict(results)
+    results: dict[int, dict[str, Any]] = {}
     out = Narrowing([], screened=set(screened))
     open_ = set(screened)
     checks = dict(references or {})  # job -> screen figures, for every simulated job the screen also covers
@@ -121,23 +121,27 @@ def narrow(screened: dict[int, dict[str, Any]], results: dict[int, dict[str, Any
         fig = screened[job]
         return fig["tokens_recomputed"] if key == "tokens_recomputed" else fig["ttft_lower_bound_ms"][key.split("_")[1]]
 
+    # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores;
+    # it runs with the jobs that are simulated anyway
+    probe = [min(open_, key=lambda j: (-screened[j]["same_simulation_key"][0], objective_lo(j)))] if open_ else []
+    first = list(pending) + probe
+    results.update(zip(first, run(first) if first else []))
+    for job in probe:
+        open_.discard(job)
+        out.simulated.add(job)
+        out.screened.discard(job)
+        checks[job] = screened[job]
     for job, figures in checks.items():
         wrong = [k for k in EXACT_KEYS if results[job][k] != figures[k]]
         if wrong and not pressure_seen(results[job]):
-            out.notes.append(f"vLLM's default's {', '.join(wrong)} differ from the screen's: every point was simulated "
-                             "(please report this workload)")
+            out.notes.append(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was "
+                             "simulated (please report this workload)")
             simulate(sorted(open_), twins=False)
-    if not open_:
-        pass
-    elif any(pressure_seen(m) for m in results.values()):
+            break
+    if open_ and any(pressure_seen(m) for m in results.values()):
         out.notes.append("a simulated point showed memory pressure on D (drops, preemptions or rejections): screened "
                          "hits are not exact here, every point was simulated")
         simulate(sorted(open_), twins=False)
-    elif open_:
-        # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores
-        probe = min(open_, key=lambda j: (-screened[j]["same_simulation_key"][0], objective_lo(j)))
-        if not simulate([probe]):
-            simulate(sorted(open_), twins=False)
     while open_:
         if not results:
             break

@@ -156,9 +156,8 @@ def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], conf
             figures = screen(c)
             if figures is not None:
                 (screened if c.kind == "sweep" else references)[jobs["*"]] = figures
-    first = [j for j in range(len(configs)) if j not in screened]
-    done = dict(zip(first, run([configs[j] for j in first], [overrides[j] for j in first])))
-    return narrow(screened, done, len(configs), counts.__contains__,
+    pending = [j for j in range(len(configs)) if j not in screened]
+    return narrow(screened, pending, len(configs), counts.__contains__,
                   lambda jobs: run([configs[j] for j in jobs], [overrides[j] for j in jobs]),
                   objective, budget_gb, tolerance_pct, batch, references)
 
