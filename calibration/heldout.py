@@ -1,16 +1,16 @@
 """A model no fit has seen: Llama-3.3-70B-Instruct on p5en (vLLM PR #32553), predicted through the simulator.
 
-The PR's figures (``data/heldout_pr32553.csv``) are means and medians over a multi-turn benchmark, not
-single-request points, so they are predicted the way they were measured: the benchmark's workload
-(:data:`WORKLOAD`, the synthetic generator at the PR's settings, back to back) on 1P1D with prefix
-caching OFF on P (``sim.published.published_config``), by a profile that ``bidikv profile`` builds from
-the model's config.json with the efficiencies given. Two things the comparison has to assume:
+The PR's figures (``data/heldout_pr32553.csv``) are means and medians over vLLM's multi-turn benchmark,
+not single-request points, so they are predicted the way they were measured: the PR's benchmark config
+(``data/pr32553_multi_turn.json``, vLLM's ``generate_multi_turn.json`` format with the PR's parameters)
+sent by vLLM's client loop as the simulator replays it (:mod:`sim.bench_clients`: 2 clients, 24 active
+conversations served round robin, back to back, the run ends when the first conversation does), on 1P1D
+with prefix caching OFF on P (``sim.published.published_config``), by a profile that ``bidikv profile``
+builds from the model's config.json with the efficiencies given. What the comparison has to assume:
 
 * the PR does not state the instances' TP size: every figure is predicted at each of :data:`TPS`;
-* vLLM's client serves its conversations round-robin and stops when the first conversation ends (129
-  requests OFF, 126 ON, of the 192 the conversations hold); the simulator's client runs each
-  conversation to its end, so the statistics are taken over the first ``requests`` turns in
-  round-robin order (turn index, then conversation): the requests vLLM's client had sent.
+* the PR publishes the distributions, not its conversations: the simulated run sends its own draws
+  (135 requests at seed 0, against the PR's 129 OFF and 126 ON).
 
 TPOT per turn = (completion - arrival - TTFT) / (output tokens - 1), vLLM's definition.
 """
@@ -32,7 +32,8 @@ CONFIG = DATA_DIR / "config_llama-3.3-70b.json"
 MODEL = "Llama-3.3-70B"
 HARDWARE = "p5en"
 TPS = (4, 8)
-WORKLOAD = {"kind": "synthetic", "num_conversations": 24, "inter_turn_gap_s": 0}  # PR #32553: no think time
+BENCH_CONFIG = DATA_DIR / "pr32553_multi_turn.json"
+ACTIVE_CONVERSATIONS = 24  # the PR's active_conversations: all 24 at once, 12 per client
 SOURCE_URL = "https://github.com/vllm-project/vllm/pull/32553"
 
 
@@ -65,23 +66,21 @@ def load_heldout(path: str | pathlib.Path = HELDOUT_CSV) -> list[HeldoutFigure]:
     return out
 
 
-def simulate_benchmark(profile: Any, bidirectional: bool, requests: int, seed: int = 0) -> dict[str, float]:
-    """``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) over the first ``requests`` turns in round-robin order."""
-    from sim.cluster import Cluster
+def simulate_benchmark(profile: Any, bidirectional: bool, seed: int = 0) -> dict[str, float]:
+    """``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) and ``requests`` of the PR's benchmark, simulated."""
     from sim.published import published_config
-    from sim.workload import load_workload
+    from sim.runner import run_config
 
-    conversations = load_workload(WORKLOAD, seed)
-    result = Cluster(published_config(bidirectional, seed), profile).run(conversations)
-    order = {c.conversation_id: i for i, c in enumerate(conversations)}
-    done = sorted((r for r in result.records if not r.rejected), key=lambda r: (r.turn, order[r.conversation]))
-    if len(done) < requests:
-        raise RuntimeError(f"the simulated benchmark completed {len(done)} turns, fewer than the {requests} measured")
-    sent = done[:requests]
+    config = published_config(bidirectional, seed)
+    config.workload = {"kind": "vllm_multi_turn", "path": str(BENCH_CONFIG),
+                       "max_active_conversations": ACTIVE_CONVERSATIONS}
+    sent = [r for r in run_config(config, profile=profile).records if not r.rejected]
+    if not sent:
+        raise RuntimeError("the simulated benchmark completed no request")
     ttft_ms = [r.ttft_s * 1e3 for r in sent]
     tpot_ms = [(r.completion_s - r.arrival_s - r.ttft_s) / (r.output_tokens - 1) * 1e3 for r in sent if r.output_tokens > 1]
     return {"ttft_mean": statistics.fmean(ttft_ms), "ttft_p50": statistics.median(ttft_ms),
-            "tpot_mean": statistics.fmean(tpot_ms)}
+            "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(sent))}
 
 
 def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], tps: Sequence[int] = TPS,
@@ -92,15 +91,15 @@ def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], tps: Sequen
     for label, eff in sources.items():
         for tp in tps:
             profile = profile_from_architecture(CONFIG, HARDWARE, tp, eff, name=MODEL)
-            predicted: dict[tuple[str, int], dict[str, float]] = {}
+            predicted: dict[str, dict[str, float]] = {}
             for fig in figures:
-                key = (fig.mode, fig.requests)
-                if key not in predicted:
-                    predicted[key] = simulate_benchmark(profile, fig.mode == "on", fig.requests, seed)
-                value = predicted[key][f"{fig.metric}_{fig.statistic}"]
+                if fig.mode not in predicted:
+                    predicted[fig.mode] = simulate_benchmark(profile, fig.mode == "on", seed)
+                value = predicted[fig.mode][f"{fig.metric}_{fig.statistic}"]
                 rows.append({"trained_on": label, "model": f"{fig.model} (TP{tp})", "tp": tp, "mode": fig.mode,
                              "metric": fig.metric, "statistic": fig.statistic, "prompt_tokens": None,
                              "measured_ms": fig.measured_ms, "predicted_ms": value,
                              "rel_error": value / fig.measured_ms - 1.0, "source": "simulator",
+                             "requests": fig.requests, "simulated_requests": int(predicted[fig.mode]["requests"]),
                              "carried_from": profile.provenance["carried_from"]})
     return rows
