@@ -315,12 +315,13 @@ def screening_summary(narrowing: Any, not_screened: Sequence[str], requested: bo
         return {"requested": True, "screened": 0, "simulated_after_screening": 0, "notes": list(not_screened),
                 "text": "not applicable, every configuration simulated: " + "; ".join(not_screened)}
     screened, simulated = len(narrowing.screened), len(narrowing.simulated)
+    runs = len(narrowing.results) - screened - narrowing.same_as_simulated
     text = (f"{screened} fixed-TTL configurations screened (one pass over the workload, not simulated), "
-            f"{simulated} more simulated because the recommendation could be them"
+            f"{simulated} more simulated because the recommendation could be them or to probe for memory pressure"
             + (f" ({narrowing.same_as_simulated} of those the same simulation as another: same TTL, same pulls on "
                "every turn)" if narrowing.same_as_simulated else "") + "; "
-            f"{len(narrowing.results) - screened} simulated in all")
+            f"{runs} simulations run in all, references included")
     return {"requested": True, "screened": screened, "simulated_after_screening": simulated,
             "same_simulation_as_another": narrowing.same_as_simulated,
-            "simulated": len(narrowing.results) - screened, "notes": list(narrowing.notes),
+            "simulated": len(narrowing.results) - screened, "simulations_run": runs, "notes": list(narrowing.notes),
             "text": text + "".join(f"; {n}" for n in narrowing.notes)}
