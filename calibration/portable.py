@@ -56,9 +56,9 @@ FIELD_KINDS: dict[str, tuple[str, str]] = {
     "ttft_overhead_fixed_s": (OVERHEAD, "fitted per request (proxy hops, D's first step)"),
     "ttft_overhead_per_prompt_token_s": (OVERHEAD, "fitted per prompt token (D re-tokenises the prompt)"),
     "ttft_overhead_per_reused_byte_s": (OVERHEAD, "fitted per reused KV byte (cause not identified)"),
-    "decode_fixed_s": (ASSUMPTION, "weight bytes / (HBM x 0.7) + layers x 30 us: not fitted on p5en"),
-    "decode_per_seq_s": (ASSUMPTION, "extra MoE experts read per sequence + 50 us: not fitted on p5en"),
-    "decode_per_ctx_token_s": (ASSUMPTION, "KV bytes per token per rank / (HBM x 0.7): not fitted on p5en"),
+    "decode_fixed_s": (ASSUMPTION, "weight bytes / (HBM x hbm_efficiency) + layers x an assumed step cost per layer"),
+    "decode_per_seq_s": (ASSUMPTION, "extra MoE experts read per sequence + an assumed host cost per sequence"),
+    "decode_per_ctx_token_s": (ASSUMPTION, "KV bytes per token per rank / (HBM x hbm_efficiency)"),
 }
 
 
