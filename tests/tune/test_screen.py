@@ -59,9 +59,10 @@ def workloads(draw):
     return convs
 
 
-def _config(decode_blocks: int) -> SimConfig:
+def _config(decode_blocks: int, nodes: int = 1) -> SimConfig:
     cfg = SimConfig()
     cfg.topology.decode_kv_blocks = decode_blocks
+    cfg.topology.num_prefill = cfg.topology.num_decode = nodes
     return cfg.validate()
 
 
@@ -78,11 +79,12 @@ def _tune(cfg, convs, objective, screen, budget_pct=30.0):
 
 @settings(max_examples=80)
 @given(convs=workloads(), objective=st.sampled_from(("ttft_p90", "ttft_p50", "compute")),
-       tight=st.sampled_from((False, False, True)), budget_pct=st.sampled_from((0.001, 0.01, 0.1, 30.0)))
-def test_screening_keeps_the_frontier_and_its_exact_figures(convs, objective, tight, budget_pct):
+       tight=st.sampled_from((False, False, True)), budget_pct=st.sampled_from((0.001, 0.01, 0.1, 30.0)),
+       nodes=st.sampled_from((1, 1, 2)))
+def test_screening_keeps_the_frontier_and_its_exact_figures(convs, objective, tight, budget_pct, nodes):
     # tight: D holds little more than the largest conversation, so retention competes with running turns
     largest = max(-(-(t.prompt_tokens + t.output_tokens) // BS) for c in convs for t in c.turns)
-    cfg = _config(largest + 2 if tight else 100_000)
+    cfg = _config(largest + 2 if tight else 100_000, nodes)
     screen, reasons = screener(cfg, convs, PROFILE, cfg.topology.decode_kv_blocks)
     assert reasons == []
     candidates, full = _tune(cfg, convs, objective, None, budget_pct)
