@@ -16,7 +16,7 @@ from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.efficiencies import HardwareEfficiencies, load_efficiencies
 from calibration.floors import floor_rows
 from calibration.hardware import Hardware, load_hardware
-from calibration.portable import carried_efficiencies, field_sources, kernel_family
+from calibration.portable import ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
 from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
 
@@ -50,9 +50,12 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
     """
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     arch = architecture_from_config_file(config_path, kv_cache_dtype=kv_cache_dtype, name=name)
-    eff, carried_from, same_family = _default_efficiencies(arch, hw) if efficiencies is None else (
-        efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies),
-        f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})", False)
+    if efficiencies is None:
+        eff, family_source, engine_source, same_family = _default_efficiencies(arch, hw)
+    else:
+        eff = efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies)
+        family_source = engine_source = f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})"
+        same_family = False
     model = name or arch.name
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
@@ -68,16 +71,20 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         "efficiencies": {k: v for k, v in dataclasses.asdict(eff).items() if k != "provenance"},
         "efficiencies_source": eff.provenance.get("source", "given"),
         "kernel_family": kernel_family(arch).describe(),
-        "carried_from": carried_from,
+        "carried_from": family_source,
+        "engine_terms_from": engine_source,
         "same_family_fit": same_family,
-        "fields": field_sources(profile, carried_from),
+        "fields": field_sources(profile, family_source, engine_source),
         "floors": floor_rows(profile, arch, hw, list(DEFAULT_FLOOR_PROMPTS), user_tokens),
     }
     return dataclasses.replace(profile, provenance=provenance)
 
 
-def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str, bool]:
-    """The carried fit on the hardware the measured models ran on, else that hardware's efficiencies file."""
+def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str, str, bool]:
+    """The carried fit on the hardware the measured models ran on, else that hardware's efficiencies file:
+    efficiencies, where the prefill terms and the engine terms come from, same-family or not."""
     if hw.key in {d.hardware for d in MEASURED}:
-        return carried_efficiencies(arch)
-    return load_efficiencies(hw.key), f"{hw.key}'s efficiencies (calibration/data/{hw.key}_efficiencies.json)", False
+        eff, family_source, same_family = carried_efficiencies(arch)
+        return eff, family_source, ENGINE_SOURCE, same_family
+    source = f"{hw.key}'s efficiencies (calibration/data/{hw.key}_efficiencies.json)"
+    return load_efficiencies(hw.key), source, source, False

@@ -1,28 +1,26 @@
 """What a profile for a model nobody measured is made of: physics, carried-over fits, assumptions.
 
-Every :class:`~calibration.profile.LatencyProfile` field belongs to one of four kinds:
+Every numeric :class:`~calibration.profile.LatencyProfile` field belongs to one of four kinds, by what
+sets it and so where it can come from for a model nobody measured:
 
 * ``physics``    exact arithmetic on the model's config.json and the hardware facts (KV bytes per token,
                  block size, attention window, the HBM budget): right whatever the engine does;
-* ``efficiency`` a physical count (FLOPs, bytes, descriptors) divided by a hardware peak times a fitted
-                 fraction of that peak (GEMM / attention MFU, EFA efficiency). The count is exact, the
-                 fraction is a property of the kernels that run it, so it carries over only to a model whose
-                 kernels are the same: same weight dtype, same attention kind, dense or MoE alike;
-* ``overhead``   engine costs in seconds that do not follow from the model's size (per forward pass, per
-                 transfer, per reused token, per request on the TTFT path), fitted on the measured
-                 models' figures and carried over as they are;
+* ``family``     prefill: exact FLOP counts at a fitted fraction of peak (GEMM / attention MFU) and a fitted
+                 fixed cost per layer per forward pass. Both are properties of the kernels that run the
+                 model, so they carry only to a model of the same kernel family (weight dtype, attention
+                 kind, dense or MoE): a BF16 dense GQA model takes Qwen3-32B's, an FP8 MoE MLA model
+                 GLM-5-FP8's (:func:`nearest_measured`), a model of neither family the compromise of one
+                 fit to both;
+* ``engine``     seconds (and the NIC's efficiency) that do not follow from the model: per D->P transfer,
+                 per descriptor, per reused token, per request on the TTFT path; exact descriptor and byte
+                 counts times one set of values fitted on both measured models at once;
 * ``assumption`` decode: first principles with stated constants (HBM efficiency, per-layer and per-sequence
                  step costs) that no published p5en figure of the measured models constrains.
 
-Each carried term comes from the fit that measures it (calibration.shared_fit, :func:`carried_efficiencies`):
-the engine overheads from both measured models at once (one shared set costs the twenty published
-figures ~1-2 points of max error against each model's own fit), the prefill fixed cost and GEMM/attention
-efficiency from the measured model of the same kernel family (:func:`nearest_measured`: a dense BF16
-GQA model takes Qwen3-32B's, an FP8 MoE MLA model GLM-5-FP8's). Those two are the model's, not the
-engine's: the measured models run their linear layers at 34 % and 5 % of peak, and sharing the fixed
-cost per forward too raises the max error to 31-48 %. A model of neither family gets the prefill terms
-of a fit to both (the compromise), and the cross-family leave-one-model-out error (calibration.loo) is
-what to expect of it.
+The split is the data's (calibration.shared_fit): one shared set of engine terms costs the twenty
+published figures ~1-2 points of max error against each model's own fit; sharing the prefill fixed
+cost too raises it to 31-48 %, and the GEMM efficiencies differ 33 % vs 5 % of peak. The cross-family
+leave-one-model-out error (calibration.loo) is what a model of no measured family can expect.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from calibration.efficiencies import HardwareEfficiencies
 from calibration.profile import LatencyProfile
 from calibration.published import MEASURED, MeasuredDeployment
 
-PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION = "physics", "efficiency", "overhead", "assumption"
+PHYSICS, FAMILY, ENGINE, ASSUMPTION = "physics", "family", "engine", "assumption"
 
 # field -> (kind, what sets it)
 FIELD_KINDS: dict[str, tuple[str, str]] = {
@@ -45,17 +43,17 @@ FIELD_KINDS: dict[str, tuple[str, str]] = {
     "block_size": (PHYSICS, "the attention backend's page size (FlashAttention 16, FlashMLA 64)"),
     "attn_window_tokens": (PHYSICS, "config.json: DSA top-k (0 = dense attention)"),
     "decode_hbm_kv_bytes": (PHYSICS, "TP x HBM x gpu_memory_utilization - weight bytes"),
-    "prefill_per_token_s": (EFFICIENCY, "linear FLOPs/token / (TP x peak FLOP/s x GEMM MFU)"),
-    "prefill_attn_s": (EFFICIENCY, "attention FLOPs/pair / (TP x BF16 peak x attention MFU)"),
-    "prefill_index_s": (EFFICIENCY, "DSA indexer FLOPs/pair / (TP x FP8 peak x attention MFU)"),
-    "transfer_bytes_per_s": (EFFICIENCY, "EFA line rate x TP x EFA efficiency"),
-    "transfer_per_block_s": (OVERHEAD, "NIXL descriptors per block (config.json) x fitted cost per descriptor"),
-    "prefill_fixed_s": (EFFICIENCY, "layers x the kernel family's fitted fixed cost per layer per forward pass"),
-    "transfer_setup_s": (OVERHEAD, "fitted per D->P transfer (handshake, notification)"),
-    "reuse_overhead_per_token_s": (OVERHEAD, "fitted per reused token on the ON path (cause not identified)"),
-    "ttft_overhead_fixed_s": (OVERHEAD, "fitted per request (proxy hops, D's first step)"),
-    "ttft_overhead_per_prompt_token_s": (OVERHEAD, "fitted per prompt token (D re-tokenises the prompt)"),
-    "ttft_overhead_per_reused_byte_s": (OVERHEAD, "fitted per reused KV byte (cause not identified)"),
+    "prefill_per_token_s": (FAMILY, "linear FLOPs/token / (TP x peak FLOP/s x GEMM MFU)"),
+    "prefill_attn_s": (FAMILY, "attention FLOPs/pair / (TP x BF16 peak x attention MFU)"),
+    "prefill_index_s": (FAMILY, "DSA indexer FLOPs/pair / (TP x FP8 peak x attention MFU)"),
+    "prefill_fixed_s": (FAMILY, "layers x fitted fixed cost per layer per forward pass"),
+    "transfer_bytes_per_s": (ENGINE, "EFA line rate x TP x fitted EFA efficiency"),
+    "transfer_per_block_s": (ENGINE, "NIXL descriptors per block (config.json) x fitted cost per descriptor"),
+    "transfer_setup_s": (ENGINE, "fitted per D->P transfer (handshake, notification)"),
+    "reuse_overhead_per_token_s": (ENGINE, "fitted per reused token on the ON path (cause not identified)"),
+    "ttft_overhead_fixed_s": (ENGINE, "fitted per request (proxy hops, D's first step)"),
+    "ttft_overhead_per_prompt_token_s": (ENGINE, "fitted per prompt token (D re-tokenises the prompt)"),
+    "ttft_overhead_per_reused_byte_s": (ENGINE, "fitted per reused KV byte (cause not identified)"),
     "decode_fixed_s": (ASSUMPTION, "weight bytes / (HBM x hbm_efficiency) + layers x an assumed step cost per layer"),
     "decode_per_seq_s": (ASSUMPTION, "extra MoE experts read per sequence + an assumed host cost per sequence"),
     "decode_per_ctx_token_s": (ASSUMPTION, "KV bytes per token per rank / (HBM x hbm_efficiency)"),
@@ -92,46 +90,44 @@ def nearest_measured(arch: Architecture) -> MeasuredDeployment | None:
 PREFILL_TERMS = ("prefill_fixed_per_layer_s", "gemm_cost_factor", "attention_cost_factor")
 
 
+ENGINE_SOURCE = "both measured models at once (calibration.shared_fit)"
+
+
 def carried_efficiencies(arch: Architecture) -> tuple[HardwareEfficiencies, str, bool]:
     """What a profile for ``arch`` carries from the measured models (calibration.shared_fit): the engine
-    overheads fitted on both at once, and the prefill fixed cost and GEMM/attention efficiency of the
-    same-kernel-family model, else of the two-model compromise. Returns the efficiencies, where they come
-    from, and whether a same-family model was found."""
+    terms fitted on both at once, and the prefill terms of the same-kernel-family model, else of the
+    two-model compromise. Returns the efficiencies, where the prefill terms come from, and whether a
+    same-family model was found."""
     match = nearest_measured(arch)
     eff, text = efficiencies_for(match.model if match else None, kernel_family(arch).describe())
     return eff, text, match is not None
 
 
 def efficiencies_for(prefill_model: str | None, family: str = "this family") -> tuple[HardwareEfficiencies, str]:
-    """Engine overheads of the joint fit with ``prefill_model``'s prefill terms (None: the compromise's)."""
+    """The joint fit's engine terms with ``prefill_model``'s prefill terms (None: the compromise's)."""
     from calibration.fit import TERM_NAMES, efficiencies_from_vector
     from calibration.shared_fit import carried_fit, compromise_fit
 
     carried = carried_fit()
-    overheads = "engine overheads fitted on both measured models at once"
     if prefill_model is not None:
         x = carried.x[prefill_model].copy()
-        text = f"{prefill_model} ({family}): its prefill fixed cost and GEMM/attention efficiency; {overheads}"
+        text = f"{prefill_model} ({family}, the same kernel family)"
     else:
         first = MEASURED[0].model
         x = carried.x[first].copy()
         for term in PREFILL_TERMS:
             x[TERM_NAMES.index(term)] = compromise_fit().x[first][TERM_NAMES.index(term)]
-        text = (f"the two-model compromise for prefill (no measured model is {family}: prefill fixed cost and "
-                f"GEMM/attention efficiency of one fit to both); {overheads}")
+        text = f"the two-model compromise (no measured model is {family})"
     eff = efficiencies_from_vector(x, MEASURED[0].hardware, {
-        "source": f"calibration.shared_fit: {text}", "assembly": SHIPPED_ASSEMBLY.describe()})
+        "source": f"calibration.shared_fit: prefill terms of {text}, engine terms of {ENGINE_SOURCE}",
+        "assembly": SHIPPED_ASSEMBLY.describe()})
     return eff, text
 
 
-def field_sources(profile: LatencyProfile, carried_from: str) -> list[dict[str, Any]]:
-    """One row per numeric profile field: its kind, value and where it comes from."""
-    rows = []
-    for f in dataclasses.fields(LatencyProfile):
-        if f.name not in FIELD_KINDS:
-            continue
-        kind, how = FIELD_KINDS[f.name]
-        source = carried_from if kind in (EFFICIENCY, OVERHEAD) else ("config.json x hardware" if kind == PHYSICS
-                                                                       else "calibration.decode defaults")
-        rows.append({"field": f.name, "kind": kind, "value": getattr(profile, f.name), "how": how, "from": source})
-    return rows
+def field_sources(profile: LatencyProfile, family_source: str, engine_source: str) -> list[dict[str, Any]]:
+    """One row per numeric profile field: its kind, value, how it is computed and where it comes from."""
+    sources = {PHYSICS: "config.json x hardware", FAMILY: family_source, ENGINE: engine_source,
+               ASSUMPTION: "calibration.decode with the efficiencies' decode constants"}
+    return [{"field": f.name, "kind": FIELD_KINDS[f.name][0], "value": getattr(profile, f.name),
+             "how": FIELD_KINDS[f.name][1], "from": sources[FIELD_KINDS[f.name][0]]}
+            for f in dataclasses.fields(LatencyProfile) if f.name in FIELD_KINDS]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from calibration.portable import ASSUMPTION, EFFICIENCY, OVERHEAD, PHYSICS
+from calibration.portable import ASSUMPTION, ENGINE, FAMILY, PHYSICS
 from calibration.profile import LatencyProfile
 
 BENCH_CONVERSATIONS = 8  # enough turns for every term of the bench fit (first turns, pulls, decode) in minutes
@@ -93,16 +93,15 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
         except Exception as exc:  # noqa: BLE001 - said in the output; the profile itself stands
             failure = f"{type(exc).__name__}: {exc}"
     rows = prov["fields"]
-    by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION)}
+    by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, FAMILY, ENGINE, ASSUMPTION)}
 
     def listing(kind: str) -> str:
         return ", ".join(f"{r['field']} {_value(r['field'], r['value'])}" for r in by_kind[kind])
 
     lines = [f"{profile.name}: what to trust (kernel family {prov['kernel_family']}; calibration/README.md)",
              f"  exact (config.json x {prov['hardware']}): {listing(PHYSICS)}, and the floors above",
-             f"  carried over from {prov['carried_from']}:",
-             f"    efficiencies (exact FLOPs/bytes at a fitted fraction of peak): {listing(EFFICIENCY)}",
-             f"    overheads (fitted seconds): {listing(OVERHEAD)}",
+             f"  prefill terms from {prov['carried_from']}: {listing(FAMILY)}",
+             f"  engine terms from {prov['engine_terms_from']}: {listing(ENGINE)}",
              f"  assumed, never fitted on {prov['hardware']}: {listing(ASSUMPTION)}"]
     if failure:
         lines.append(f"expected error: not computed, the held-out simulation failed ({failure}); "

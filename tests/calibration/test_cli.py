@@ -84,7 +84,7 @@ def test_profile_command(write_config, capsys, config, tp, block):
     assert profile["tp"] == tp and profile["block_size"] == block
     assert "physical floors" in out.err
     source = {id(QWEN3_32B): "Qwen3-32B", id(GLM5_FP8): "GLM-5-FP8"}[id(config)]
-    assert f"carried over from {source}" in out.err and "its family was measured" in out.err
+    assert f"prefill terms from {source}" in out.err and "its family was measured" in out.err
     assert "save this profile with -o PROFILE.json" in out.err
     assert (f"bidikv calibrate --from-bench fit.jsonl --base-profile PROFILE.json --block-size {block} "
             f"--kv-bytes-per-token {profile['kv_bytes_per_token']:.0f}") in out.err

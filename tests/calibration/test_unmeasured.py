@@ -16,7 +16,7 @@ from calibration.fit import leave_one_out
 from calibration.heldout import CONFIG, load_heldout
 from calibration.efficiencies import load_efficiencies
 from calibration.loo import DEFAULT_SOURCE, NO_FAMILY, PREVIOUS_DEFAULT, WRONG_FAMILY, report, summary
-from calibration.portable import ASSUMPTION, EFFICIENCY, FIELD_KINDS, OVERHEAD, PHYSICS
+from calibration.portable import ASSUMPTION, ENGINE, FAMILY, FIELD_KINDS, PHYSICS
 from calibration.profile import LatencyProfile
 from calibration.published import load_published
 from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
@@ -72,9 +72,9 @@ def test_every_numeric_field_has_a_kind_and_a_source(write_config):
     p = profile_from_architecture(write_config(QWEN3_32B), "p5en", 8)
     rows = {r["field"]: r for r in p.provenance["fields"]}
     assert set(rows) == set(FIELD_KINDS)
-    assert {r["kind"] for r in rows.values()} == {PHYSICS, EFFICIENCY, OVERHEAD, ASSUMPTION}
+    assert {r["kind"] for r in rows.values()} == {PHYSICS, FAMILY, ENGINE, ASSUMPTION}
     assert all(rows[f]["value"] == getattr(p, f) for f in rows)
-    assert rows["decode_fixed_s"]["from"] == "calibration.decode defaults"
+    assert rows["prefill_fixed_s"]["from"].startswith("Qwen3-32B") and rows["transfer_setup_s"]["from"].startswith("both")
 
 
 def test_cross_family_leave_one_out_error_bounds():
@@ -154,7 +154,8 @@ def test_trust_report_names_every_kind_and_the_band_that_applies(write_config):
     same = trust_report(profile_from_architecture(write_config(QWEN3_32B), "p5en", 8), None, summary)
     assert "its family was measured" in same and "TP4: median 10 %, max 20 %" in same
     assert "prefill/TTFT |error| up to 443 %, transfer up to 76 %" in same
-    for kind in ("exact (config.json x p5en)", "carried over from Qwen3-32B", "assumed, never fitted on p5en"):
+    for kind in ("exact (config.json x p5en)", "prefill terms from Qwen3-32B",
+                 "engine terms from both measured models", "assumed, never fitted on p5en"):
         assert kind in same
     other = trust_report(profile_from_architecture(write_config(BF16_MOE_GQA), "p5en", 2), "p.json", summary)
     assert "no measured model shares its family" in other and "--base-profile p.json" in other
