@@ -34,7 +34,6 @@ HARDWARE = "p5en"
 TPS = (4, 8)
 BENCH_CONFIG = DATA_DIR / "pr32553_multi_turn.json"
 ACTIVE_CONVERSATIONS = 24  # the PR's active_conversations: all 24 at once, 12 per client
-SOURCE_URL = "https://github.com/vllm-project/vllm/pull/32553"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +73,14 @@ def simulate_benchmark(profile: Any, bidirectional: bool, seed: int = 0) -> dict
     config = published_config(bidirectional, seed)
     config.workload = {"kind": "vllm_multi_turn", "path": str(BENCH_CONFIG),
                        "max_active_conversations": ACTIVE_CONVERSATIONS}
-    sent = [r for r in run_config(config, profile=profile).records if not r.rejected]
-    if not sent:
+    completed = [r for r in run_config(config, profile=profile).records if not r.rejected]
+    if not completed:
         raise RuntimeError("the simulated benchmark completed no request")
-    ttft_ms = [r.ttft_s * 1e3 for r in sent]
-    tpot_ms = [(r.completion_s - r.arrival_s - r.ttft_s) / (r.output_tokens - 1) * 1e3 for r in sent if r.output_tokens > 1]
+    ttft_ms = [r.ttft_s * 1e3 for r in completed]
+    tpot_ms = [(r.completion_s - r.arrival_s - r.ttft_s) / (r.output_tokens - 1) * 1e3
+               for r in completed if r.output_tokens > 1]
     return {"ttft_mean": statistics.fmean(ttft_ms), "ttft_p50": statistics.median(ttft_ms),
-            "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(sent))}
+            "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(completed))}
 
 
 def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], tps: Sequence[int] = TPS,
