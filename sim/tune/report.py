@@ -235,9 +235,12 @@ def plots(points: Sequence[Point], chosen: Point | None, objective: str, out: pa
                 "gap_quantile": ("gap-quantile TTL", "tab:orange", "v")}
     for retention, (name, colour, marker) in families.items():
         fam = [p for p in sweep if p.candidate.policy.get("retention") == retention]
-        if fam:
-            ax.scatter([p.mean_retained_hbm_gb for p in fam], [p.metrics[key] for p in fam], c=colour, marker=marker,
-                       s=28, alpha=0.75, label=name, zorder=2)
+        for screened in (False, True):  # hollow: screened, not simulated (TTFT a lower bound)
+            pts = [p for p in fam if p.screened == screened]
+            if pts:
+                ax.scatter([p.mean_retained_hbm_gb for p in pts], [p.metrics[key] for p in pts], marker=marker, s=28,
+                           alpha=0.75, zorder=2, label=f"{name}{' (screened)' if screened else ''}",
+                           **({"facecolors": "none", "edgecolors": colour} if screened else {"c": colour}))
     front = sorted((p.mean_retained_hbm_gb, p.metrics[key]) for p, _ in rows if p.on_frontier)
     if front:
         ax.plot(*zip(*front), color="tab:blue", lw=1, ls="--", label="Pareto frontier", zorder=1)
