@@ -20,6 +20,10 @@ load it ran under.
     off-c1      OFF                    7     1            0.01        held out: the whole history recomputed
     off-c2      OFF                    8     2            0.03        held out: OFF on on-c2's workload
 
+On a machine other work shares, run it at a higher priority than that work (as root: ``nice -n -15
+.venv/bin/python -m tests.e2e.record_validate ...``): the servers, the router and the bench client inherit
+it, so other processes yield the cores to the deployment; each deployment.json records the niceness.
+
 on-c2, t512-c2, ttl30-c2 and off-c2 are one workload under four configurations: the ranking the
 simulator must reproduce. ``--only NAME`` starts only that deployment.
 
@@ -105,7 +109,7 @@ def main() -> int:
                             "model": f"tiny h{args.hidden} l{args.layers} float32",
                             "pinning": "P core 0, D core 1, router and client unpinned" if pin else "none",
                             "idle_step_sleep_s": args.idle_step_sleep_s if args.idle_step_sleep_s is not None else 5.0,
-                            "uptime_before": before, "uptime_after": _uptime()}
+                            "niceness": os.nice(0), "uptime_before": before, "uptime_after": _uptime()}
                 (out / f"{name}.deployment.json").write_text(json.dumps(settings, indent=2) + "\n")
                 print(f"[{name}] {settings['uptime_before']} -> {settings['uptime_after']}\n{summary}", flush=True)
         finally:
