@@ -5,8 +5,14 @@ hardware and model. Two fits, each on what measures it.
 
 **TTFT**, per turn, with the profile's own terms:
 
-    TTFT = (1 + busy_factor * busy) * (prefill_fixed_s + prefill_per_token_s * computed)
+    TTFT = (1 + busy_factor * busy) * (prefill_fixed_s + prefill_per_token_s * computed
+                                       + prefill_attn_s * computed * (pulled + computed / 2))
            + [pulled > 0] * transfer_setup_s + per_pulled_token_s * pulled
+
+The attention term counts the (query, key) pairs of a dense causal prefill of ``computed`` new tokens
+after ``pulled`` cached ones (:func:`calibration.prefill.causal_pairs`): an OFF turn recomputing a
+1,300-token history pays it quadratically, a pulled turn computing 60 tokens hardly at all, so a fit
+without it on ON runs charged the OFF runs' long recomputes by the first turns' per-token cost.
 
 ``pulled`` is what P reported it did not compute (``prefill_cached_tokens``; 0 when OFF or
 unreported), ``computed = prompt - pulled``, ``busy`` is :func:`calibration.busy.busy_flags` (another
@@ -46,10 +52,12 @@ from scipy.optimize import least_squares, lsq_linear, minimize_scalar
 
 from calibration.bench_settings import DeploymentSettings
 from calibration.busy import DEFAULT_BUSY_WINDOW_S, busy_flags, decode_loads
+from calibration.prefill import causal_pairs
 from calibration.profile import LatencyProfile
 from impl.bench.records import BenchRecord
 
-TERMS = ("prefill_fixed_s", "prefill_per_token_s", "transfer_setup_s", "per_pulled_token_s")
+TERMS = ("prefill_fixed_s", "prefill_per_token_s", "prefill_attn_s", "transfer_setup_s", "per_pulled_token_s")
+_COMPUTE = 3  # the first three terms are P's compute (slowed when busy); the rest are the pull's
 DECODE_TERMS = ("decode_fixed_s", "decode_per_seq_s", "decode_per_ctx_token_s")
 # 1 TB/s: above anything a pull the bench can resolve crosses (p5en: 8 x 400 Gbps EFA = 400 GB/s; a
 # CPU's memory copy ~10 GB/s), so a bounded rate never makes a simulated pull slower than measured.
@@ -66,11 +74,12 @@ MAX_BUSY_FACTOR = 5.0  # the search's upper bound: measured ~1 (2x); 5 (6x) woul
 
 
 def _ttft_rows(usable: Sequence[BenchRecord], busy: Sequence[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Columns (1, computed, [pulled], pulled), the busy flags and the measured TTFTs."""
+    """Columns (1, computed, attention pairs, [pulled], pulled), the busy flags and the measured TTFTs."""
     rows, flags, y = [], [], []
     for r, b in zip(usable, busy):
         pulled = min(r.prefill_cached_tokens or 0, r.prompt_tokens)
-        rows.append([1.0, r.prompt_tokens - pulled, 1.0 if pulled else 0.0, pulled])
+        computed = r.prompt_tokens - pulled
+        rows.append([1.0, computed, causal_pairs(computed, pulled), 1.0 if pulled else 0.0, pulled])
         flags.append(1.0 if b else 0.0)
         y.append(r.ttft_s)
     return np.array(rows), np.array(flags), np.array(y)
@@ -94,7 +103,7 @@ def _bounded_fit(w: np.ndarray, loss: str) -> tuple[np.ndarray, float]:
         return w / np.maximum(w @ v, floor)[:, None]
 
     sol = least_squares(residual, np.maximum(x0, floor), jac=jac, bounds=(0, np.inf), loss=loss,
-                        f_scale=ROBUST_SCALE, x_scale="jac", method="trf")
+                        f_scale=ROBUST_SCALE, x_scale="jac", method="trf", ftol=1e-12, xtol=1e-12, gtol=1e-12)
     return sol.x, float(sol.cost)
 
 
@@ -105,7 +114,7 @@ def _fit_ttft(a: np.ndarray, busy: np.ndarray, y: np.ndarray, fit_busy: bool,
 
     def solve(k: float) -> tuple[np.ndarray, float]:
         scaled = a.copy()
-        scaled[:, :2] *= (1.0 + k * busy)[:, None]  # busy slows P's compute, not the pull
+        scaled[:, :_COMPUTE] *= (1.0 + k * busy)[:, None]  # busy slows P's compute, not the pull
         w = scaled[:, cols] / y[:, None]  # divide each row by its measurement: residuals are ratios
         sol, cost = _bounded_fit(w, loss)
         x = np.zeros(len(TERMS))
@@ -125,7 +134,8 @@ def _fit_ttft(a: np.ndarray, busy: np.ndarray, y: np.ndarray, fit_busy: bool,
 def predict_ttft(terms: dict[str, float], busy_factor: float, prompt: int, pulled: int, busy: bool) -> float:
     """The fitted formula for one turn (what the report's errors are of)."""
     computed = prompt - pulled
-    return ((1 + busy_factor * busy) * (terms["prefill_fixed_s"] + terms["prefill_per_token_s"] * computed)
+    return ((1 + busy_factor * busy) * (terms["prefill_fixed_s"] + terms["prefill_per_token_s"] * computed
+                                        + terms["prefill_attn_s"] * causal_pairs(computed, pulled))
             + (terms["transfer_setup_s"] if pulled else 0.0) + terms["per_pulled_token_s"] * pulled)
 
 
@@ -183,7 +193,7 @@ def fit_from_runs(runs: Sequence[Sequence[BenchRecord]], base: LatencyProfile, n
     a, flags, y = _ttft_rows(usable, busy)
     x, busy_factor, identifiable = _fit_ttft(a, flags, y, busy_window_s > 0, loss)
     fitted = dict(zip(TERMS, (float(v) for v in x)))
-    predicted = np.array([predict_ttft(fitted, busy_factor, int(r.prompt_tokens), int(row[3]), bool(f))
+    predicted = np.array([predict_ttft(fitted, busy_factor, int(r.prompt_tokens), int(row[4]), bool(f))
                           for r, row, f in zip(usable, a, flags)])
     rel = (predicted - y) / y
 
@@ -196,12 +206,13 @@ def fit_from_runs(runs: Sequence[Sequence[BenchRecord]], base: LatencyProfile, n
         kept.append("kv_bytes_per_token")
     updates: dict[str, Any] = {"block_size": block_size, "kv_bytes_per_token": kv_bytes,
                                "prefill_fixed_s": fitted["prefill_fixed_s"], "prefill_per_token_s": fitted["prefill_per_token_s"],
-                               "prefill_attn_s": 0.0, "prefill_index_s": 0.0, "ttft_overhead_fixed_s": 0.0,
+                               "prefill_attn_s": fitted["prefill_attn_s"], "attn_window_tokens": 0,
+                               "prefill_index_s": 0.0, "ttft_overhead_fixed_s": 0.0,
                                "ttft_overhead_per_prompt_token_s": 0.0, "ttft_overhead_per_reused_byte_s": 0.0,
                                "handoff_pays_transfer_setup": False, "pull_setup_overlaps_prefill_fixed": False}
-    report: dict[str, Any] = {"turns": len(usable), "turns_with_pull": int(np.sum(a[:, 2])), "turns_busy": int(flags.sum())}
+    report: dict[str, Any] = {"turns": len(usable), "turns_with_pull": int(np.sum(a[:, 3])), "turns_busy": int(flags.sum())}
     notes = []
-    if identifiable[2]:
+    if identifiable[3]:
         updates["transfer_setup_s"] = fitted["transfer_setup_s"]
         updates["transfer_per_block_s"] = 0.0
         # TTFT cannot tell wire time from the rest of a pull's per-token cost, and the P->D hand-off of

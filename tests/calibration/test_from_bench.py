@@ -19,13 +19,16 @@ BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")
 
 
 def _records(n=60, seed=0):
-    """Turns whose TTFT follows known terms: 40 ms + 20 us/computed token, and for pulls 15 ms + 5 us/token."""
+    """Turns whose TTFT follows known terms: 40 ms + 20 us/computed token + 1 ns per (query, key) pair of
+    the computed tokens' causal attention, and for pulls 15 ms + 5 us/token."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         prompt = rng.randrange(200, 20_000)
         pulled = 0 if i % 3 == 0 else rng.randrange(100, prompt)
-        ttft = 0.040 + 20e-6 * (prompt - pulled) + (0.015 + 5e-6 * pulled if pulled else 0.0)
+        computed = prompt - pulled
+        pairs = computed * pulled + computed * computed / 2  # written out here, not calibration.prefill's
+        ttft = 0.040 + 20e-6 * computed + 1e-9 * pairs + (0.015 + 5e-6 * pulled if pulled else 0.0)
         out.append(BenchRecord(f"c{i}", 1, "on", prompt, 8, float(i), ttft, ttft + 0.1, pulled, pulled))
     return out
 
@@ -35,11 +38,13 @@ def test_fit_recovers_the_terms_and_writes_a_usable_profile():
     terms = report["terms"]
     assert terms["prefill_fixed_s"] == pytest.approx(0.040, rel=1e-6)
     assert terms["prefill_per_token_s"] == pytest.approx(20e-6, rel=1e-6)
+    assert terms["prefill_attn_s"] == pytest.approx(1e-9, rel=1e-6)
     assert terms["transfer_setup_s"] == pytest.approx(0.015, rel=1e-6)
     assert terms["per_pulled_token_s"] == pytest.approx(5e-6, rel=1e-6)
     assert report["rel_error_max"] < 1e-6
     # the profile's own equations give back a measured turn: compute of the suffix, pull of the rest
-    assert profile.compute_s(1000, 0) == pytest.approx(0.040 + 0.020)
+    assert profile.compute_s(1000, 0) == pytest.approx(0.040 + 0.020 + 1e-9 * 500_000)
+    assert profile.compute_s(100, 900) == pytest.approx(0.040 + 0.002 + 1e-9 * (90_000 + 5_000))
     # (+ 262,144 bytes/token x 1000 at the 1 TB/s bound: 0.26 ms of wire the fit cannot see)
     assert profile.pull_time_s(1000, profile.blocks_for(1000)) == pytest.approx(0.015 + 0.005 + 0.000262144, rel=1e-6)
     assert LatencyProfile.from_dict(json.loads(profile.to_json())) == profile
