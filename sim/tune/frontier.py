@@ -87,9 +87,8 @@ def analyse(candidates: Sequence[Candidate], metrics: Sequence[dict[str, Any]], 
         p.hbm_vs_default = (m["retained_hbm_gb_s"] / default.metrics["retained_hbm_gb_s"]
                             if default.metrics["retained_hbm_gb_s"] > 0 else math.nan)
         p.mean_retained_hbm_gb = m["retained_hbm_gb_s"] / m["sim_time_s"] if m["sim_time_s"] > 0 else 0.0
-        # a screened point is over budget only for certain (its least HBM*s over the longest run)
-        p.feasible = (_lo(p, "retained_hbm_gb_s") / _hi(p, "sim_time_s") if p.screened else p.mean_retained_hbm_gb) \
-            <= budget_gb and m["rejected"] == 0
+        # (a screened point's HBM*s is the screen's estimate: its feasibility is for the table, never a choice)
+        p.feasible = p.mean_retained_hbm_gb <= budget_gb and m["rejected"] == 0
     key = OBJECTIVES[objective]
     sweep = [p for p in points if p.candidate.kind in ("sweep", "default")]
     # Pareto over (objective, retained GB*s): nobody else is at least as good on both and better on one
