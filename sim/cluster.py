@@ -99,7 +99,7 @@ class Cluster:
         self._conversations[key] = conv
         self._turn_index[key] = index
         turn = conv.turns[index]
-        rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env.now)
+        rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env._now)
         self.records.append(rec)
         self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, on_done)
         return rec

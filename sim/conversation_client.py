@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
-from sim.instant import call_soon
+from sim.instant import after, call_soon
 from sim.workload.model import Conversation, Lineage
 
 if TYPE_CHECKING:
@@ -33,13 +33,13 @@ class ConversationClient:
 
     def start(self) -> None:
         env = self.cluster.env
-        if self.conv.start_s > env.now:
-            env.timeout(self.conv.start_s - env.now).callbacks.append(self._first_turn)
+        if self.conv.start_s > env._now:
+            after(env, self.conv.start_s - env._now, self._first_turn)
         else:
             self._first_turn()
 
     def _first_turn(self, _event: simpy.Event | None = None) -> None:
-        self.renew_until = self.release = self.cluster.env.now
+        self.renew_until = self.release = self.cluster.env._now
         self.lineage = Lineage(self.conv.turns)  # what each prompt shares with what earlier turns left on P and D
         self._send()
 
@@ -48,7 +48,7 @@ class ConversationClient:
 
     def _turn_done(self) -> None:
         cluster, conv, index = self.cluster, self.conv, self.index
-        now = cluster.env.now
+        now = cluster.env._now
         nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
         if nxt is not None:
             self.release = now + nxt.gap_before_s if nxt.arrival_s is None else max(nxt.arrival_s, now)
@@ -65,15 +65,15 @@ class ConversationClient:
 
     def _wait_release(self) -> None:
         env = self.cluster.env
-        if self.release > env.now:
-            env.timeout(self.release - env.now).callbacks.append(self._send)
+        if self.release > env._now:
+            after(env, self.release - env._now, self._send)
         else:
             self._send()
 
     def _exit(self) -> None:
         cluster = self.cluster
         cluster._live_clients -= 1
-        if self.lease is not None and self.renew_until > cluster.env.now:
+        if self.lease is not None and self.renew_until > cluster.env._now:
             # after the last turn a lingering client keeps renewing on its own (from where a process
             # started now would start); a pooled client moves on
             until = self.renew_until
@@ -91,13 +91,13 @@ class ConversationClient:
         TTL's tail after it is not counted either).
         """
         lease = self.lease
-        stop = min(until, release - 1e-9, self.cluster.env.now + lease.max_hold_s)
+        stop = min(until, release - 1e-9, self.cluster.env._now + lease.max_hold_s)
         self._next_beat(stop, then)
 
     def _next_beat(self, stop: float, then: Callable[[], None]) -> None:
         cluster, interval = self.cluster, self.lease.heartbeat_interval_s
-        if cluster.env.now + interval <= stop and cluster._live_clients > 0:
-            cluster.env.timeout(interval).callbacks.append(lambda _event: self._beat(stop, then))
+        if cluster.env._now + interval <= stop and cluster._live_clients > 0:
+            after(cluster.env, interval, lambda _event: self._beat(stop, then))
         else:
             then()
 

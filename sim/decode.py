@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import simpy
 
 from impl.policy import RetainedPool
-from sim.instant import process_now, succeed_now
+from sim.instant import after, nothing_due_now, process_now, succeed_now
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
 
@@ -163,7 +163,7 @@ class DecodeNode:
         """Blocks came free: admit turns waiting for blocks, in arrival order."""
         while self._waiting_blocks:
             needed, event = self._waiting_blocks[0]
-            if not self._make_room(needed, self.env.now):
+            if not self._make_room(needed, self.env._now):
                 return
             self._waiting_blocks.popleft()
             self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
@@ -221,13 +221,13 @@ class DecodeNode:
         earlier turns (None: every turn continues the last faithfully)."""
         env = self.env
         n = rec.prompt_tokens
-        self._advance_retention(env.now)
+        self._advance_retention(env._now)
         hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
         self.load_dirty.add(self)
         needed = self._blocks_for(n) - hit_blocks
-        arrived_at = env.now
+        arrived_at = env._now
         if needed + hit_blocks > self.capacity:
             self.arriving_blocks -= hit_blocks
             rec.rejected = "prompt exceeds the decode instance's KV capacity"
@@ -235,7 +235,7 @@ class DecodeNode:
             self._released()
             on_done()
             return
-        if self._make_room(needed, env.now) and not self._waiting_blocks:
+        if self._make_room(needed, env._now) and not self._waiting_blocks:
             self.arriving_blocks += needed
             self._admitted(rec, key, revision, p_name, needed + hit_blocks, hit_tokens, arrived_at, on_done)
         else:
@@ -249,7 +249,7 @@ class DecodeNode:
         """The turn has its blocks: take the rest of the prompt's KV from P, then join the batch."""
         env, profile = self.env, self.profile
         n = rec.prompt_tokens
-        rec.d_queue_s = env.now - arrived_at
+        rec.d_queue_s = env._now - arrived_at
         self._check()
         rec.p2d_tokens = n - hit_tokens
         done = env.event()  # the turn's end (an event has no place in the queue until triggered)
@@ -278,7 +278,7 @@ class DecodeNode:
         held_turn = turn
         meta = self._retained_meta.get(key)
         if meta is not None and meta[1] == revision:
-            self._integrate_retained(self.env.now)
+            self._integrate_retained(self.env._now)
             blocks = self.retained.discard(key)
             tokens, held_turn = meta[0], meta[3]
             del self._retained_meta[key]
@@ -313,7 +313,7 @@ class DecodeNode:
                 self._wake = env.event()
                 self._wake.callbacks.append(self._on_idle_wake)
                 return
-            now = env.now
+            now = env._now
             joined_done = False  # only a sequence joining now can be done here: the rest ran a step since
             while self._joining and len(self.running) < self.max_num_seqs:
                 seq = self._joining.popleft()
@@ -357,8 +357,7 @@ class DecodeNode:
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _steps_within counts it
             # one wake event serves both ends of the wait: the segment's timer or a joining sequence
             wake = self._wake = env.event()
-            timer = env.timeout(segment_s)
-            timer.callbacks.append(lambda _e, w=wake: None if w.triggered else succeed_now(env, w))
+            after(env, segment_s, lambda _e, w=wake: None if w.triggered else succeed_now(env, w))
             wake.callbacks.append(lambda _e: self._on_segment_wake(now, segment_s, k, step0, slope))
             return
 
@@ -369,13 +368,13 @@ class DecodeNode:
     def _on_segment_wake(self, start: float, segment_s: float, k: int, step0: float, slope: float) -> None:
         env = self.env
         self._wake = None
-        if env.now - start < segment_s:
+        if env._now - start < segment_s:
             # a sequence is waiting to join: run to the end of the step in progress
-            j = self._steps_within(env.now - start, step0, slope, k)
+            j = self._steps_within(env._now - start, step0, slope, k)
             j = min(j + 1, k)
-            rest = (j * step0 + slope * j * (j - 1) / 2) - (env.now - start)
+            rest = (j * step0 + slope * j * (j - 1) / 2) - (env._now - start)
             if rest > 0:
-                env.timeout(rest).callbacks.append(lambda _e: self._end_segment(j))
+                after(env, rest, lambda _e: self._end_segment(j))
                 return
             k = j
         self._end_segment(k)
@@ -394,7 +393,7 @@ class DecodeNode:
             if s.remaining <= 0:
                 finished = True
         self.running_blocks -= freed
-        deferred = self._finish_done(self.env.now, defer=True) if finished else None
+        deferred = self._finish_done(self.env._now, defer=True) if finished else None
         self._run()
         if deferred is not None:
             process_now(deferred)
@@ -481,7 +480,7 @@ class DecodeNode:
             else:
                 self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             self.on_finish(self, seq, expires_at)
-            if defer and len(finished) == 1 and self.env.peek() > now:
+            if defer and len(finished) == 1 and nothing_due_now(self.env):
                 deferred = seq.done
             else:
                 seq.done.succeed()

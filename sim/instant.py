@@ -5,14 +5,18 @@ When nothing else is due now (``env.peek() > env.now``) the queue would process 
 running its callbacks right away is the same order of everything, minus one heap round trip (a few
 per simulated turn). Only safe as the last thing an event *callback* does (a timer's): from process
 code the resumed process would run inside the caller's generator, before the caller's next yield.
+
+Also the cheapest way to put a callback on simpy's queue (``after``, ``call_soon``): the same queue
+entries simpy's own classes make, without their call layers.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable
 
 import simpy
-from simpy.events import URGENT
+from simpy.events import NORMAL, URGENT
 
 
 def process_now(event: simpy.Event) -> None:
@@ -26,10 +30,34 @@ def process_now(event: simpy.Event) -> None:
 
 
 def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
-    if env.peek() > env.now:
+    queue = env._queue
+    if not queue or queue[0][0] > env._now:
         process_now(event)
     else:
         event.succeed()
+
+
+def after(env: simpy.Environment, delay: float, callback: Callable[[simpy.Event], None]) -> simpy.Event:
+    """``env.timeout(delay)`` with ``callback`` as its callback: the same queue entry (time, priority,
+    sequence number) a Timeout gets, so the same order of everything."""
+    if delay < 0:
+        raise ValueError(f"negative delay {delay}")
+    event = _new_event(simpy.Event)  # what Timeout.__init__ sets, as simpy inlines it there
+    event.env = env
+    event.callbacks = [callback]
+    event._value = None
+    event._ok = True
+    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), event))
+    return event
+
+
+_new_event = object.__new__
+
+
+def nothing_due_now(env: simpy.Environment) -> bool:
+    """Whether no event is queued at the current instant (``env.peek() > env.now``)."""
+    queue = env._queue
+    return not queue or queue[0][0] > env._now
 
 
 def call_soon(env: simpy.Environment, callback: Callable[[simpy.Event], None]) -> None:

@@ -11,18 +11,18 @@ is per transfer, not per byte.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Generator
+from typing import Callable
 
 import simpy
 
-from sim.instant import succeed_now
+from sim.instant import after, nothing_due_now
 
 
 class _Flow:
-    __slots__ = ("src", "dst", "remaining", "rate", "done")
+    __slots__ = ("src", "dst", "remaining", "rate", "on_end")
 
-    def __init__(self, src: str, dst: str, nbytes: float, done: simpy.Event) -> None:
-        self.src, self.dst, self.remaining, self.rate, self.done = src, dst, nbytes, 0.0, done
+    def __init__(self, src: str, dst: str, nbytes: float, on_end: Callable[..., None]) -> None:
+        self.src, self.dst, self.remaining, self.rate, self.on_end = src, dst, nbytes, 0.0, on_end
 
 
 class Interconnect:
@@ -37,54 +37,35 @@ class Interconnect:
         self.bytes_moved = 0.0
         self.transfers = 0
 
-    def transfer(self, src: str, dst: str, nbytes: float, fixed_s: float) -> Generator[simpy.Event, None, float]:
-        """simpy process body: move ``nbytes`` from ``src`` to ``dst``; returns the elapsed seconds."""
-        start = self.env.now
-        if nbytes > 0:
-            # the flow starts from the fixed part's timer callback: the caller resumes once, when it ends
-            done = self.env.event()
-            if fixed_s > 0:
-                self.env.timeout(fixed_s).callbacks.append(lambda _event: self._start_flow(src, dst, nbytes, done))
-            else:
-                self._start_flow(src, dst, nbytes, done)
-            yield done
-        elif fixed_s > 0:
-            yield self.env.timeout(fixed_s)
-        self.bytes_moved += nbytes
-        self.transfers += 1
-        return self.env.now - start
-
     def start(self, src: str, dst: str, nbytes: float, fixed_s: float, on_done: Callable[[float], None]) -> None:
-        """Callback form of :meth:`transfer`: ``on_done(elapsed seconds)`` runs from the event that ends
-        the transfer, where :meth:`transfer`'s caller would resume (no process needed)."""
-        start = self.env.now
+        """Move ``nbytes`` from ``src`` to ``dst``; ``on_done(elapsed seconds)`` runs from the event that
+        ends the transfer (no process needed)."""
+        start = self.env._now
 
         def finish(_event: object = None) -> None:
             self.bytes_moved += nbytes
             self.transfers += 1
-            on_done(self.env.now - start)
+            on_done(self.env._now - start)
 
         if nbytes > 0:
-            done = self.env.event()
-            done.callbacks.append(finish)
             if fixed_s > 0:
-                self.env.timeout(fixed_s).callbacks.append(lambda _event: self._start_flow(src, dst, nbytes, done))
+                after(self.env, fixed_s, lambda _event: self._start_flow(src, dst, nbytes, finish))
             else:
-                self._start_flow(src, dst, nbytes, done)
+                self._start_flow(src, dst, nbytes, finish)
         elif fixed_s > 0:
-            self.env.timeout(fixed_s).callbacks.append(finish)
+            after(self.env, fixed_s, finish)
         else:
             finish()
 
-    def _start_flow(self, src: str, dst: str, nbytes: float, done: simpy.Event) -> None:
+    def _start_flow(self, src: str, dst: str, nbytes: float, on_end: Callable[..., None]) -> None:
         self._advance()
-        self._flows.append(_Flow(src, dst, float(nbytes), done))
+        self._flows.append(_Flow(src, dst, float(nbytes), on_end))
         self._per_nic[src] += 1
         self._per_nic[dst] += 1
         self._reschedule()
 
     def _advance(self) -> None:
-        now = self.env.now
+        now = self.env._now
         elapsed = now - self._last_update
         if elapsed > 0:
             for flow in self._flows:
@@ -110,8 +91,7 @@ class Interconnect:
             if t < soonest:
                 soonest = t
         generation = self._generation
-        timer = self.env.timeout(soonest)
-        timer.callbacks.append(lambda _event: self._on_timer(generation))
+        after(self.env, soonest, lambda _event: self._on_timer(generation))
 
     def _on_timer(self, generation: int) -> None:
         if generation != self._generation:
@@ -125,14 +105,19 @@ class Interconnect:
             self._per_nic[flow.dst] -= 1
         if len(finished) == 1:
             self._reschedule()
-            if self.env.peek() > self.env.now:
-                succeed_now(self.env, finished[0].done)  # this timer's last action: nothing else is due now
+            if nothing_due_now(self.env):
+                finished[0].on_end()  # this timer's last action, where the flow's done event would run
                 return
-            # something is due now (maybe the timer just set): queue the done event before a new timer,
-            # as always; the timer just set is superseded (a no-op when it fires)
-            finished[0].done.succeed()
+            # something is due now (maybe the timer just set): queue the end before a new timer, as
+            # always; the timer just set is superseded (a no-op when it fires)
+            self._queue_end(finished[0])
             self._reschedule()
             return
         for flow in finished:
-            flow.done.succeed()
+            self._queue_end(flow)
         self._reschedule()
+
+    def _queue_end(self, flow: _Flow) -> None:
+        event = self.env.event()
+        event.callbacks.append(flow.on_end)
+        event.succeed()

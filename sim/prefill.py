@@ -19,7 +19,7 @@ import simpy
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.instant import process_now
+from sim.instant import after, nothing_due_now, process_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class PrefillNode:
             decision = self.recompute_policy.decide(candidate)
             rec.decision_reason = decision.reason.value
             if decision.pull:
-                refusal = d_node.begin_read(conv_key, revision, self.env.now)
+                refusal = d_node.begin_read(conv_key, revision, self.env._now)
                 if refusal:
                     rec.decision, rec.miss_reason = "recompute", refusal
                 else:
@@ -148,10 +148,10 @@ class PrefillNode:
 
                     def pulled(elapsed: float, d_node: "DecodeNode" = d_node, reused: int = reused) -> None:
                         rec.d2p_transfer_s = elapsed
-                        d_node.end_read(conv_key, self.env.now)
+                        d_node.end_read(conv_key, self.env._now)
                         rec.reuse_overhead_s = profile.reuse_overhead_s(reused)
                         if rec.reuse_overhead_s > 0:
-                            self.env.timeout(rec.reuse_overhead_s).callbacks.append(lambda _event: enqueue())
+                            after(self.env, rec.reuse_overhead_s, lambda _event: enqueue())
                         else:
                             enqueue()
 
@@ -188,7 +188,7 @@ class PrefillNode:
         context = local_hit + reused
         new_tokens = n - context
         rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
-        job = _Job(new_tokens, context, done, self.env.now, self.profile.pull_hidden_s() if reused else 0.0)
+        job = _Job(new_tokens, context, done, self.env._now, self.profile.pull_hidden_s() if reused else 0.0)
         self._queue.append(job)
         self.queued_tokens += new_tokens
         self.load_dirty.add(self)
@@ -200,7 +200,7 @@ class PrefillNode:
                   shared_prefix_tokens: int) -> None:
         assert job is not None
         rec.p_queue_s = job.started_at - job.enqueued_at
-        rec.prefill_compute_s = self.env.now - job.started_at
+        rec.prefill_compute_s = self.env._now - job.started_at
         if self.cache is not None:
             self.cache.insert(conv_key, revision, rec.prompt_tokens, shared_prefix_tokens, rec.turn)
 
@@ -226,14 +226,13 @@ class PrefillNode:
                 break
             take = min(job.remaining, budget)
             if job.started_at < 0:
-                job.started_at = env.now
+                job.started_at = env._now
                 hidden = max(hidden, job.fixed_done_s)
             chunks.append((take, job.context))
             scheduled.append((job, take))
             budget -= take
         step_s = self.profile.prefill_step_s(chunks) - hidden
-        timer = env.timeout(step_s)
-        timer.callbacks.append(lambda _event: self._end_step(step_s, scheduled))
+        after(env, step_s, lambda _event: self._end_step(step_s, scheduled))
 
     def _end_step(self, step_s: float, scheduled: list[tuple["_Job", int]]) -> None:
         env, queue = self.env, self._queue
@@ -250,7 +249,7 @@ class PrefillNode:
             for job in [j for j in queue if j.remaining <= 0]:
                 queue.remove(job)
                 finished.append(job)
-        if len(finished) == 1 and env.peek() > env.now:
+        if len(finished) == 1 and nothing_due_now(env):
             # nothing else is due now, so the one finished turn's done event, queued before the next
             # step's timer (at or after now), would be processed next: form the step, then process it
             self._start_step() if queue else self._idle()

@@ -86,7 +86,7 @@ class Router:
         with earlier turns (None: every turn continues the last faithfully); only P's verification and
         the caches read it."""
         env = self.env
-        now = env.now
+        now = env._now
         n = rec.prompt_tokens
         last = self._last_finish.get(key)
         if last is not None:  # a later turn: the gap feeds retention policies that learn from gaps
@@ -164,24 +164,24 @@ class Router:
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
         key = seq.key
-        self._last_finish[key] = (d_node.name, self.env.now)
+        self._last_finish[key] = (d_node.name, self.env._now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);
         # no guard digest: P verifies token ids (the real router stores these entries the same way)
         params = {"remote_num_tokens": seq.context, "held_turn": seq.rec.turn,
                   "held_prompt_tokens": seq.rec.prompt_tokens}
-        entry = ConversationEntry(d_node.name, params, expires_at, seq.context, seq.context, None, self.env.now)
-        self.store.record_success(key[0], key[1], entry, self.env.now)
+        entry = ConversationEntry(d_node.name, params, expires_at, seq.context, seq.context, None, self.env._now)
+        self.store.record_success(key[0], key[1], entry, self.env._now)
 
     def heartbeat(self, key: tuple[str, str]) -> None:
         """Relay a client heartbeat to the D holding the conversation; update the stored expiry."""
         entry = self.store.get(*key)
         if entry is None:
             return
-        renewed = self._decode_by_name[entry.decode_instance].renew(key, self.env.now)
+        renewed = self._decode_by_name[entry.decode_instance].renew(key, self.env._now)
         if renewed is not None and renewed != entry.expires_at:
-            self.store.record_success(key[0], key[1], _with_expiry(entry, renewed), self.env.now)
+            self.store.record_success(key[0], key[1], _with_expiry(entry, renewed), self.env._now)
 
 
 def _with_expiry(entry: ConversationEntry, expires_at: float) -> ConversationEntry:
