@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -335,22 +335,29 @@ def _parse_string(text: str) -> Distribution:
     return Constant(to_number(text))
 
 
-def _parse_table(spec: Mapping[str, object], field: str) -> Distribution:
-    if "kind" not in spec:
-        raise ValueError(f"missing key 'kind' (one of: {', '.join(sorted(_TABLE_KEYS))})")
-    kind = spec["kind"]
-    if kind not in _TABLE_KEYS:
-        raise ValueError(f"unknown distribution kind {kind!r} (one of: {', '.join(sorted(_TABLE_KEYS))})")
-    required, optional = _TABLE_KEYS[kind]
-    params = {key: value for key, value in spec.items() if key != "kind"}
+def split_kind(spec: Mapping[str, object], kind_key: str, kinds: Mapping[str, tuple[Set[str], Set[str]]],
+               where: Callable[[str], str]) -> tuple[str, dict[str, object]]:
+    """A distribution table's kind (under ``kind_key``) and its other keys, checked against ``kinds``
+    (kind -> required keys, optional keys): none unknown, none required missing; ``where(kind)``
+    ends the key errors (e.g. "for kind 'uniform'")."""
+    if kind_key not in spec:
+        raise ValueError(f"missing key {kind_key!r} (one of: {', '.join(sorted(kinds))})")
+    kind = spec[kind_key]
+    if kind not in kinds:
+        raise ValueError(f"unknown distribution kind {kind!r} (one of: {', '.join(sorted(kinds))})")
+    required, optional = kinds[kind]  # type: ignore[index]
+    params = {key: value for key, value in spec.items() if key != kind_key}
     for key in params:
         if key not in required | optional:
-            allowed = ", ".join(sorted(required | optional))
-            raise ValueError(f"unknown key {key!r} for kind {kind!r} (allowed: {allowed})")
+            raise ValueError(f"unknown key {key!r} {where(kind)} (allowed: {', '.join(sorted(required | optional))})")
     for key in sorted(required):
         if key not in params:
-            raise ValueError(f"missing key {key!r} for kind {kind!r}")
+            raise ValueError(f"missing key {key!r} {where(kind)}")
+    return kind, params  # type: ignore[return-value]
 
+
+def _parse_table(spec: Mapping[str, object], field: str) -> Distribution:
+    kind, params = split_kind(spec, "kind", _TABLE_KEYS, lambda kind: f"for kind {kind!r}")
     if kind == "constant":
         return Constant(params["value"])
     if kind == "uniform":

@@ -74,7 +74,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sim.workload.distributions import Constant, Distribution, LogNormal, Poisson, UniformInt, Zipf
+from sim.workload.distributions import (Constant, Distribution, LogNormal, Poisson, UniformInt, Zipf,
+                                        split_kind)
 from sim.workload.model import Conversation, Turn
 
 FILETYPE = "generate_conversations"
@@ -222,17 +223,10 @@ def parse_distribution(spec: object, field: str) -> VllmDistribution:
     """One ``{"distribution": ...}`` object; ``field`` (e.g. ``prompt_input.num_turns``) names errors."""
     if not isinstance(spec, Mapping):
         raise ValueError(f"field '{field}' must be an object with 'distribution', got {spec!r}")
-    if "distribution" not in spec:
-        raise ValueError(f"missing field '{field}.distribution' (one of: {', '.join(_KIND_KEYS)})")
-    kind = spec["distribution"]
-    if kind not in _KIND_KEYS:
-        raise ValueError(f"field '{field}.distribution': unknown distribution {kind!r} (one of: {', '.join(_KIND_KEYS)})")
-    required, optional = _KIND_KEYS[kind]
-    params = {key: value for key, value in spec.items() if key != "distribution"}
-    _known(params, required | optional, f"'{field}' ({kind})")
-    for key in sorted(required):
-        if key not in params:
-            raise ValueError(f"missing field '{field}.{key}' ({kind} needs {', '.join(sorted(required))})")
+    try:
+        kind, params = split_kind(spec, "distribution", _KIND_KEYS, lambda kind: f"for {kind}")
+    except ValueError as exc:
+        raise ValueError(f"field '{field}': {exc}") from None
     if kind == "constant":
         value = _integer(params, "value", field, 0)
         return VllmDistribution(Constant(value), f"Constant[{value}]")
