@@ -95,7 +95,7 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
         for job in chosen:
             groups.setdefault(screened[job]["same_simulation_key"] if twins else job, []).append(job)
         known = {screened[j]["same_simulation_key"]: results[j] for j in out.simulated} if twins else {}
-        fresh = [jobs[0] for key, jobs in groups.items() if key not in known]
+        fresh = [members[0] for twin, members in groups.items() if twin not in known]
         for job, metrics in zip(fresh, run(fresh) if fresh else []):
             known[screened[job]["same_simulation_key"] if twins else job] = metrics
             checks[job] = screened[job]
@@ -108,13 +108,13 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
                 out.notes.append(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was "
                                  "simulated (please report this workload)")
                 ok = False
-        for key, jobs in groups.items():
-            for job in jobs:
-                results[job] = known[key]
+        for twin, members in groups.items():
+            for job in members:
+                results[job] = known[twin]
                 open_.discard(job)
                 out.simulated.add(job)
                 out.screened.discard(job)
-            out.same_as_simulated += len(jobs) - (jobs[0] in fresh)
+            out.same_as_simulated += len(members) - (members[0] in fresh)
         return ok
 
     def objective_lo(job: int) -> float:
@@ -165,6 +165,7 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
         if not simulate(chosen):
             simulate(sorted(open_), twins=False)
             break
+    out.notes = list(dict.fromkeys(out.notes))
     run_length = lengths() if results else (math.nan, math.nan)
     out.results = [results[j] if j in results else screened_metrics(screened[j], run_length) for j in range(jobs)]
     return out
