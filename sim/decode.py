@@ -126,7 +126,8 @@ class DecodeNode:
         self.cached_blocks += blocks
 
     def _check(self) -> None:
-        used = self.used_blocks
+        used = (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                + self.cached_blocks)  # used_blocks, without the property call (a few times per turn)
         if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
                 or self.cached_blocks < 0):
             raise RuntimeError(f"{self.name}: block accounting broken (used {used} of {self.capacity})")
@@ -143,6 +144,9 @@ class DecodeNode:
 
     def _make_room(self, needed: int, now: float) -> bool:
         """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
+        if needed <= self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks
+                                      + self.reading_blocks + self.cached_blocks):
+            return True  # what the rest answers when the free blocks suffice, without property calls
         while self.free_blocks < needed and self._cache:
             _, (_, _, blocks, _) = self._cache.popitem(last=False)
             self.cached_blocks -= blocks
@@ -337,19 +341,17 @@ class DecodeNode:
                 context += s.context
                 if s.remaining < k:
                     k = s.remaining
-            # blocks each sequence holds after k more steps
-            grown = [-(-(s.context + k) // bs) for s in running]
-            growth = sum(grown) - sum([s.blocks for s in running])
+            growth = self._growth(k)
             if growth > self.free_blocks and not self._make_room(growth, now):
                 k = self._steps_that_fit(k, now)
                 if k == 0:
                     self._preempt_newest(now)
                     continue
-                grown = [-(-(s.context + k) // bs) for s in running]
-                growth = sum(grown) - sum([s.blocks for s in running])
-            # reserve the segment's growth now, so admissions during the segment cannot take it
-            for s, blocks in zip(running, grown):
-                s.blocks = blocks
+                growth = self._growth(k)
+            # reserve the segment's growth now, so admissions during the segment cannot take it: each
+            # sequence holds the blocks it has after k more steps
+            for s in running:
+                s.blocks = -(-(s.context + k) // bs)
             self.running_blocks += growth
             self._check()
             step0 = profile.decode_step_s(batch, context)
@@ -374,25 +376,34 @@ class DecodeNode:
             j = min(j + 1, k)
             rest = (j * step0 + slope * j * (j - 1) / 2) - (env._now - start)
             if rest > 0:
-                after(env, rest, lambda _e: self._end_segment(j))
+                after(env, rest, lambda _e: self._end_segment(j, j == k))
                 return
-            k = j
-        self._end_segment(k)
+            self._end_segment(j, j == k)
+            return
+        self._end_segment(k, True)
 
-    def _end_segment(self, k: int) -> None:
-        """The running batch took ``k`` steps. Called last in an event's callbacks (see sim.instant)."""
-        bs = self.profile.block_size
-        freed = 0
+    def _end_segment(self, k: int, as_reserved: bool) -> None:
+        """The running batch took ``k`` steps, all it reserved blocks for if ``as_reserved`` (then every
+        sequence holds exactly its blocks already). Called last in an event's callbacks (sim.instant)."""
         finished = False
-        for s in self.running:
-            s.context += k
-            s.remaining -= k
-            new_blocks = -(-s.context // bs)
-            freed += s.blocks - new_blocks
-            s.blocks = new_blocks
-            if s.remaining <= 0:
-                finished = True
-        self.running_blocks -= freed
+        if as_reserved:
+            for s in self.running:
+                s.context += k
+                s.remaining -= k
+                if s.remaining <= 0:
+                    finished = True
+        else:
+            bs = self.profile.block_size
+            freed = 0
+            for s in self.running:
+                s.context += k
+                s.remaining -= k
+                new_blocks = -(-s.context // bs)
+                freed += s.blocks - new_blocks
+                s.blocks = new_blocks
+                if s.remaining <= 0:
+                    finished = True
+            self.running_blocks -= freed
         deferred = self._finish_done(self.env._now, defer=True) if finished else None
         self._run()
         if deferred is not None:
@@ -411,13 +422,17 @@ class DecodeNode:
             j -= 1
         return j
 
+    def _growth(self, j: int) -> int:
+        """Blocks the running batch needs beyond what it holds to take ``j`` more steps."""
+        bs = self.profile.block_size
+        total = 0
+        for s in self.running:
+            total += -(-(s.context + j) // bs) - s.blocks
+        return total
+
     def _steps_that_fit(self, k: int, now: float) -> int:
         """Largest j <= k whose block growth fits (after freeing cache/retained blocks)."""
-        bs = self.profile.block_size
-
-        def growth(j: int) -> int:
-            return sum(-(-(s.context + j) // bs) - s.blocks for s in self.running)
-
+        growth = self._growth
         if growth(k) <= self.free_blocks or self._make_room(growth(k), now):
             return k
         lo, hi = 0, k  # growth is monotone in j
