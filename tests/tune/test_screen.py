@@ -197,3 +197,24 @@ def test_a_screened_candidate_with_a_twin_takes_its_simulation(monkeypatch):
     by = {p.candidate.label: p for p in tuning.main.points}
     assert by[a.label].metrics == by[b.label].metrics and not by[a.label].screened
     assert dataclasses.asdict(tuning.main.points[0].candidate) == dataclasses.asdict(a)
+
+
+def test_cli_screen_flag_reports_what_it_screened_and_recommends_as_without(capsys):
+    import json
+
+    from impl.cli import main
+
+    base = ["tune", "--json", "--executor", "serial", "--no-progress", "--conversations", "25", "--ttls", "0,60,480,900",
+            "--thresholds", "64,break_even", "--leases", "", "--gap-quantiles", ""]
+    assert main(base) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main([*base, "--screen"]) == 0
+    screened = json.loads(capsys.readouterr().out)
+    s = screened["screening"]
+    assert s["requested"] and s["screened"] > 0 and s["screened"] + s["simulated_after_screening"] == 8
+    # every screened configuration is marked (a row stands for itself and the configurations collapsed into it)
+    assert s["screened"] == sum(1 + len(row["same_results_as"]) for row in screened["points"] if row["screened"])
+    assert screened["recommendation"]["label"] == full["recommendation"]["label"]
+    assert full["screening"]["requested"] is False
+    # the bound: no configuration saves more compute than it
+    assert all(row["compute_saving_pct_of_bound"] <= 100.0 + 1e-9 for row in full["points"])
