@@ -283,3 +283,31 @@ def test_cluster_without_the_hook_is_unchanged_by_it():
     result = Cluster(config, PROFILE).run(convs)
     assert sorted((r.conversation, r.turn) for r in result.records) == sorted(
         (c.conversation_id, k) for c in convs for k in range(len(c.turns)))
+
+
+def test_simulated_run_matches_vllms_published_example_output(tmp_path):
+    # vLLM's README (https://github.com/vllm-project/vllm/blob/1711f0da91cefaccba52d3af38e2918798234c82/benchmarks/multi_turn/README.md)
+    # prints the statistics of `--input-file generate_multi_turn.json --num-clients 2 --max-active-conversations 6`
+    # with the config as it was then (commit d175c56dec96594180fcd52992620d3d7934a48e: the conversation
+    # prefix was lognormal mean 6, sigma 4, max 1500): 166 requests; input_num_turns (messages sent)
+    # mean 7.43; input_num_tokens mean 2006, min 522, max 3899; output_num_tokens mean 100.01.
+    import json
+    import statistics
+
+    data = json.loads(EXAMPLE.read_text())
+    data["prompt_input"]["prefix_num_tokens"] = {"distribution": "lognormal", "mean": 6, "sigma": 4, "max": 1500}
+    path = tmp_path / "generate_multi_turn_d175c56.json"
+    path.write_text(json.dumps(data))
+    runs = []
+    for seed in range(5):
+        config = SimConfig(seed=seed, num_clients=2)
+        config.workload = {"kind": "vllm_multi_turn", "path": str(path), "max_active_conversations": 6}
+        runs.append(run_config(config.validate(), profile=PROFILE).records)
+    mean = statistics.fmean
+    assert mean(len(r) for r in runs) == pytest.approx(166, rel=0.1)  # early stop: timing moves it a little
+    assert mean(mean(2 * x.turn + 1 for x in r) for r in runs) == pytest.approx(7.43, abs=0.4)
+    assert mean(mean(x.prompt_tokens for x in r) for r in runs) == pytest.approx(2006, rel=0.1)
+    # vLLM's first message also holds ~20 tokens of header and instruction the token counts leave out
+    assert all(500 <= min(x.prompt_tokens for x in r) <= 522 for r in runs)
+    assert mean(max(x.prompt_tokens for x in r) for r in runs) == pytest.approx(3899, rel=0.05)
+    assert mean(mean(x.output_tokens for x in r) for r in runs) == pytest.approx(100.01, abs=1.5)
