@@ -173,7 +173,7 @@ def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[s
             previous = t.arrival_s if t.arrival_s is not None else previous
     gaps.sort()
     text = f"{describe_spec(config.workload)}: {len(conversations):,} conversations, {turns:,} turns"
-    if gaps:
+    if gaps and config.workload.get("kind") != "vllm_multi_turn":  # its client loop sends back to back
         text += (f"; time between turns p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s"
                  if config.workload.get("kind") == "mooncake" else
                  f"; think time after a reply p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s")

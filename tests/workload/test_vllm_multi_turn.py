@@ -1,7 +1,7 @@
 """vLLM's multi-turn benchmark config read as is.
 
 ``data/vllm_generate_multi_turn.json`` is a verbatim copy of vLLM's published example,
-https://github.com/vllm-project/vllm/blob/main/benchmarks/multi_turn/generate_multi_turn.json
+https://github.com/vllm-project/vllm/blob/07b13497a9b52274d334090a9a8e04d5ec9ca7e9/benchmarks/multi_turn/generate_multi_turn.json
 (Apache-2.0, copyright the vLLM project contributors). The expected distributions are closed forms
 of what vLLM's ``bench_dataset.py`` draws (scipy's, not this code's), checked statistically.
 """
