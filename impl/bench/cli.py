@@ -29,11 +29,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--conversations", type=int, default=None, help="number of conversations (synthetic/agentic)")
     p.add_argument("--seed", type=int, default=None, help="workload seed (default: the config's, else 0)")
     p.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
-    p.add_argument("--concurrency", type=int, default=2, help="clients, one conversation each at a time (default: 2)")
-    p.add_argument("--max-rate", type=float, default=0.0, help="turn starts per second, all clients (default: unlimited)")
-    p.add_argument("--gap-scale", type=float, default=0.0,
+    p.add_argument("--concurrency", type=int, default=None,
+                   help=f"clients, one conversation each at a time (default: {_BENCH_DEFAULTS.concurrency})")
+    p.add_argument("--max-rate", type=float, default=None, help="turn starts per second, all clients (default: unlimited)")
+    p.add_argument("--gap-scale", type=float, default=None,
                    help="think time = workload gap x this (default: 0, back to back like vLLM's benchmark)")
-    p.add_argument("--max-model-len", type=int, default=0, help="stop conversations before this (default: from /v1/models)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="stop conversations before this (default: from /v1/models)")
     p.add_argument("--api-key-env", default="BIDIKV_API_KEY", help="environment variable holding the API key")
     p.add_argument("--token-id-low", type=int, default=_BENCH_DEFAULTS.token_id_low,
                    help="synthetic prompt token ids are drawn from [low, high) (default: %(default)s)")
@@ -57,7 +59,15 @@ def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
 
     base = load_config(args.config)
     workload = workload_from_args(base.workload, args)
-    if args.num_clients is not None and workload.get("kind") != VLLM_MULTI_TURN:
+    if workload.get("kind") == VLLM_MULTI_TURN:
+        # vLLM's client loop has its own: --num-clients, --request-rate, and prompts that may exceed the
+        # model's length (the server refuses them and the conversation is dropped, as in vLLM)
+        for flag, value in (("--concurrency", args.concurrency), ("--max-rate", args.max_rate),
+                            ("--gap-scale", args.gap_scale), ("--max-model-len", args.max_model_len)):
+            if value is not None:
+                raise ValueError(f"{flag} does not apply to vLLM's client loop (--vllm-multi-turn-config): "
+                                 "use --num-clients, --max-active-conversations, --request-rate")
+    elif args.num_clients is not None:
         raise ValueError("--num-clients is vLLM's client flag (with --vllm-multi-turn-config); use --concurrency")
     seed = base.seed if args.seed is None else args.seed
     return workload, seed, base.num_clients if args.num_clients is None else args.num_clients
@@ -70,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
     workload, seed, num_clients = plan_from_args(args)
     conversations = load_workload(workload, seed)
-    config = BenchConfig(url=args.url, mode=args.mode, model=args.model, concurrency=args.concurrency,
-                         max_rate_per_s=args.max_rate, gap_scale=args.gap_scale, max_model_len=args.max_model_len,
+    given = {name: value for name, value in (("concurrency", args.concurrency), ("max_rate_per_s", args.max_rate),
+                                             ("gap_scale", args.gap_scale), ("max_model_len", args.max_model_len))
+             if value is not None}
+    config = BenchConfig(url=args.url, mode=args.mode, model=args.model, **given,
                          seed=seed, api_key=os.environ.get(args.api_key_env), token_id_low=args.token_id_low,
                          token_id_high=args.token_id_high)
     if workload.get("kind") == VLLM_MULTI_TURN:

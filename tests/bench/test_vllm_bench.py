@@ -154,3 +154,12 @@ def test_bench_cli_runs_a_vllm_config_end_to_end(tmp_path, capsys):
     lines = out.read_text().splitlines()
     assert lines and all(json.loads(line)["output_tokens"] == 3 for line in lines)
     assert "failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value", [("--concurrency", "3"), ("--max-rate", "2"), ("--gap-scale", "1"),
+                                         ("--max-model-len", "100")])
+def test_the_plain_pools_flags_are_refused_with_vllms_client_loop(flag, value):
+    args = build_parser().parse_args(["bench", "--url", "u", "--mode", "on", "--vllm-multi-turn-config", str(EXAMPLE),
+                                      flag, value])
+    with pytest.raises(ValueError, match=f"{flag} does not apply to vLLM's client loop"):
+        plan_from_args(args)
