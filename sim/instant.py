@@ -13,7 +13,7 @@ entries simpy's own classes make, without their call layers.
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Any, Callable
 
 import simpy
 from simpy.events import NORMAL, URGENT
@@ -37,21 +37,24 @@ def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
         event.succeed()
 
 
-def after(env: simpy.Environment, delay: float, callback: Callable[[simpy.Event], None]) -> simpy.Event:
-    """``env.timeout(delay)`` with ``callback`` as its callback: the same queue entry (time, priority,
-    sequence number) a Timeout gets, so the same order of everything."""
+class _Timer:
+    """A timer's queue entry: what ``Environment.step`` reads of a triggered Timeout (its callbacks, and
+    that it succeeded), without an Event's per-instance dict. Never handed to code that waits on events."""
+
+    __slots__ = ("callbacks",)
+    _ok = True
+    _value = None
+
+    def __init__(self, callback: Callable[[Any], None]) -> None:
+        self.callbacks = [callback]
+
+
+def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> None:
+    """``env.timeout(delay).callbacks.append(callback)``: the same queue entry (time, priority, sequence
+    number) a Timeout gets, so the same order of everything."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
-    event = _new_event(simpy.Event)  # what Timeout.__init__ sets, as simpy inlines it there
-    event.env = env
-    event.callbacks = [callback]
-    event._value = None
-    event._ok = True
-    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), event))
-    return event
-
-
-_new_event = object.__new__
+    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), _Timer(callback)))
 
 
 def nothing_due_now(env: simpy.Environment) -> bool:
