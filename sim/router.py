@@ -61,6 +61,7 @@ class Router:
         self._p_index = self._d_index = None
         self._p_dirty: set[PrefillNode] = set()
         self._d_dirty: set[DecodeNode] = set()
+        self._indexed: dict[Any, Any] = {}  # node -> what the index holds of its load
         if type(p_placement) is LeastLoaded:
             self._p_index = LeastLoadedIndex([InstanceLoad(p.name) for p in prefill])
             for p in prefill:
@@ -125,8 +126,11 @@ class Router:
         index = self._p_index
         if index is None:
             return self.p_placement.pick(self._p_loads(), request, self.rng)
+        indexed = self._indexed
         for p in self._p_dirty:
-            index.update(InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens))
+            if indexed.get(p) != p.queued_tokens:  # marked, but what placement reads may be unchanged
+                indexed[p] = p.queued_tokens
+                index.update(InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens))
         self._p_dirty.clear()
         return index.pick(self.rng)
 
@@ -134,9 +138,13 @@ class Router:
         index = self._d_index
         if index is None:
             return self.d_placement.pick(self._d_loads(), request, self.rng)
+        indexed = self._indexed
         for d in self._d_dirty:  # LeastLoaded reads neither retained blocks nor the request
-            index.update(InstanceLoad(d.name, running_requests=len(d.running),
-                                      used_blocks=d.running_blocks + d.arriving_blocks, total_blocks=d.capacity))
+            load = (len(d.running), d.running_blocks + d.arriving_blocks)
+            if indexed.get(d) != load:
+                indexed[d] = load
+                index.update(InstanceLoad(d.name, running_requests=load[0], used_blocks=load[1],
+                                          total_blocks=d.capacity))
         self._d_dirty.clear()
         return index.pick(self.rng)
 
