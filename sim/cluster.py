@@ -162,16 +162,20 @@ class Cluster:
         return SimResult(self.records, summary, self.series, self.config)
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
-        seen = {(r.conversation, r.turn) for r in self.records}
+        # a conversation's turns are sent in order, so those sent are a prefix: one count per conversation
+        # id (tenants pooled, as a set of (id, turn) had them), not a set entry per turn at the run's peak
+        sent: dict[str, int] = {}
         for rec in self.records:
             if math.isnan(rec.completion_s) and not rec.rejected:
                 rec.rejected = "unfinished at max_sim_time_s"
+            if rec.turn >= sent.get(rec.conversation, 0):
+                sent[rec.conversation] = rec.turn + 1
         for conv in conversations:
-            for index, turn in enumerate(conv.turns):
-                if (conv.conversation_id, index) not in seen:
-                    rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
-                    rec.rejected = "not released by max_sim_time_s"
-                    self.records.append(rec)
+            for index in range(sent.get(conv.conversation_id, 0), len(conv.turns)):
+                turn = conv.turns[index]
+                rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
+                rec.rejected = "not released by max_sim_time_s"
+                self.records.append(rec)
 
 
 def _reporting_step(env: simpy.Environment, progress: Callable[[float], None], every: int = 4096) -> Callable[[], None]:
