@@ -271,9 +271,11 @@ class DecodeNode:
             self._join(seq)
 
     def _join(self, seq: _Seq) -> None:
+        """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
+        prefill through the router), so the wake may be processed on the spot (sim.instant)."""
         self._joining.append(seq)
         if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+            succeed_now(self.env, self._wake)
 
     def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
                     turn: int = 0) -> tuple[int, int]:
