@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import simpy
 
 from impl.policy import RetainedPool
-from sim.instant import after, nothing_due_now, process_now, succeed_now
+from sim.instant import after, nothing_due_now, succeed_now
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
 
@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 
 
 class _Seq:
-    __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "done", "joined_at")
+    __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "joined_at")
 
     def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
-                 done: simpy.Event) -> None:
+                 on_done: Callable[[], None]) -> None:
         self.rec, self.key, self.revision = rec, key, revision
-        self.context, self.remaining, self.blocks, self.done = context, remaining, blocks, done
+        self.context, self.remaining, self.blocks, self.on_done = context, remaining, blocks, on_done
         self.joined_at = -1.0
 
 
@@ -256,9 +256,7 @@ class DecodeNode:
         rec.d_queue_s = env._now - arrived_at
         self._check()
         rec.p2d_tokens = n - hit_tokens
-        done = env.event()  # the turn's end (an event has no place in the queue until triggered)
-        done.callbacks.append(lambda _event: on_done())
-        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), blocks, done)
+        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), blocks, on_done)
         if rec.p2d_tokens > 0:
             # the KV arrives, then the sequence joins: from the transfer's own event, no resume between
             def arrived(elapsed: float) -> None:
@@ -409,7 +407,7 @@ class DecodeNode:
         deferred = self._finish_done(self.env._now, defer=True) if finished else None
         self._run()
         if deferred is not None:
-            process_now(deferred)
+            deferred()
 
     @staticmethod
     def _steps_within(t: float, step0: float, slope: float, k: int) -> int:
@@ -458,7 +456,7 @@ class DecodeNode:
         if needed > self.capacity:
             seq.rec.rejected = "sequence outgrew the decode instance's KV capacity"
             self.totals.rejected += 1
-            seq.done.succeed()
+            after(self.env, 0, lambda _event: seq.on_done())  # the turn's end, queued as a done event would be
             self._released()
             return
         seq.blocks = needed
@@ -472,7 +470,7 @@ class DecodeNode:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
-    def _finish_done(self, now: float, defer: bool = False) -> simpy.Event | None:
+    def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
         """Finish every sequence that is done. With ``defer``, a single finished sequence whose done
         event would be the next one processed (nothing else due now) is returned instead of queued:
         the caller processes it after everything it still does at this instant (sim.instant)."""
@@ -498,8 +496,8 @@ class DecodeNode:
                 self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             self.on_finish(self, seq, expires_at)
             if defer and len(finished) == 1 and nothing_due_now(self.env):
-                deferred = seq.done
+                deferred = seq.on_done
             else:
-                seq.done.succeed()
+                after(self.env, 0, lambda _event, s=seq: s.on_done())  # queued as a done event would be
         self._released()
         return deferred

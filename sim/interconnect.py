@@ -118,6 +118,4 @@ class Interconnect:
         self._reschedule()
 
     def _queue_end(self, flow: _Flow) -> None:
-        event = self.env.event()
-        event.callbacks.append(flow.on_end)
-        event.succeed()
+        after(self.env, 0, flow.on_end)  # the queue entry the flow's done event had

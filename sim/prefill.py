@@ -19,7 +19,7 @@ import simpy
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.instant import after, nothing_due_now, process_now
+from sim.instant import after, nothing_due_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -85,10 +85,10 @@ class PrefixCache:
 
 
 class _Job:
-    __slots__ = ("remaining", "context", "done", "enqueued_at", "started_at", "fixed_done_s")
+    __slots__ = ("remaining", "context", "on_end", "enqueued_at", "started_at", "fixed_done_s")
 
-    def __init__(self, remaining: int, context: int, done: simpy.Event, now: float, fixed_done_s: float) -> None:
-        self.remaining, self.context, self.done = remaining, context, done
+    def __init__(self, remaining: int, context: int, on_end: Callable[[], None], now: float, fixed_done_s: float) -> None:
+        self.remaining, self.context, self.on_end = remaining, context, on_end
         self.enqueued_at, self.started_at = now, -1.0
         self.fixed_done_s = fixed_done_s  # fixed prefill work already done while its pull was set up
 
@@ -122,7 +122,6 @@ class PrefillNode:
                      if self.cache else 0)
         rec.p_local_hit_tokens = local_hit
         reused = 0
-        done = self.env.event()  # the prefill's end (an event has no place in the queue until triggered)
         if remote is not None:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
@@ -157,13 +156,12 @@ class PrefillNode:
 
                     def enqueue() -> None:
                         nonlocal job
-                        job = self._enqueue(rec, local_hit, reused, done)
+                        job = self._enqueue(rec, local_hit, reused, finished)
 
-                    def finished(_event: simpy.Event) -> None:
+                    def finished() -> None:
                         self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
                         on_done()
 
-                    done.callbacks.append(finished)
                     self.interconnect.start(d_node.name, self.name, nbytes, fixed, pulled)
                     return
             else:
@@ -172,23 +170,21 @@ class PrefillNode:
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else decision.reason.value
         else:
             rec.decision = "none"
-        queued = self._enqueue(rec, local_hit, reused, done)
-
-        def computed(_event: simpy.Event) -> None:
+        def computed() -> None:
             self._finished(rec, queued, conv_key, revision, shared_prefix_tokens)
             on_done()
 
-        done.callbacks.append(computed)
+        queued = self._enqueue(rec, local_hit, reused, computed)
 
-    def _enqueue(self, rec: "TurnRecord", local_hit: int, reused: int, done: simpy.Event) -> _Job:
-        """Queue the part of the prompt left to compute."""
+    def _enqueue(self, rec: "TurnRecord", local_hit: int, reused: int, on_end: Callable[[], None]) -> _Job:
+        """Queue the part of the prompt left to compute; ``on_end()`` runs from the event that ends it."""
         n = rec.prompt_tokens
         if n - local_hit - reused < 1:  # vLLM always computes the last prompt token (it needs its logits)
             reused = max(n - 1 - local_hit, 0)
         context = local_hit + reused
         new_tokens = n - context
         rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
-        job = _Job(new_tokens, context, done, self.env._now, self.profile.pull_hidden_s() if reused else 0.0)
+        job = _Job(new_tokens, context, on_end, self.env._now, self.profile.pull_hidden_s() if reused else 0.0)
         self._queue.append(job)
         self.queued_tokens += new_tokens
         self.load_dirty.add(self)
@@ -253,8 +249,8 @@ class PrefillNode:
             # nothing else is due now, so the one finished turn's done event, queued before the next
             # step's timer (at or after now), would be processed next: form the step, then process it
             self._start_step() if queue else self._idle()
-            process_now(finished[0].done)
+            finished[0].on_end()
             return
         for job in finished:
-            job.done.succeed()
+            after(env, 0, lambda _event, j=job: j.on_end())  # queued as a done event would be
         self._start_step() if queue else self._idle()
