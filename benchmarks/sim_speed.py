@@ -25,6 +25,11 @@ import sys
 import time
 
 
+# issue 15: the targets, and the bare simpy rate of the machine they were set on (its bare ev/turn bound)
+TARGET_TURNS_PER_S = {1: 20_000, 64: 15_000}
+ISSUE_BARE_EVENTS_PER_S = 1.27e6
+
+
 def bare_simpy_events_per_s(events: int = 200_000) -> float:
     """Events per CPU second of the cheapest simpy loop: 10 processes each yielding timeouts (CPU
     time, like ``cpu turns/s``, so time the shared host gives other processes counts in neither)."""
@@ -101,6 +106,10 @@ def main() -> None:
                   f"{r['events_per_turn']:>12} {r['bare_events_per_s']:>10} {r['bare_events_per_turn']:>13} "
                   f"{r['peak_rss_mb']:>12} {r['kb_per_turn']:>8}", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
+    print(f"issue 15's targets: 1P1D >= {TARGET_TURNS_PER_S[1]:,} turns/s and 64P64D >= {TARGET_TURNS_PER_S[64]:,} on a "
+          f"machine running {ISSUE_BARE_EVENTS_PER_S:,.0f} bare events/s, i.e. <= "
+          f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} and <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} "
+          f"bare ev/turn; <= 1 KB/turn")
 
 
 if __name__ == "__main__":

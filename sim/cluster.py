@@ -1,10 +1,10 @@
 """Wire a cluster (XpYd) from a config and a profile, drive it with conversations, collect results.
 
 This is the only module that builds things; the event loop is simpy's. Clients are closed loop per
-conversation: a turn is released a think/tool gap after the previous one completed (or at its trace
-arrival time, if later). Under a heartbeat lease a client heartbeats after a turn for as long as its
-renewal behaviour says (:mod:`sim.clients`: while the session is open, while a tool call runs, never,
-or the clairvoyant "until the next turn"); this module only sends the heartbeats.
+conversation (:mod:`sim.conversation_client`): a turn is released a think/tool gap after the previous
+one completed (or at its trace arrival time, if later). Under a heartbeat lease a client heartbeats
+after a turn for as long as its renewal behaviour says (:mod:`sim.clients`: while the session is open,
+while a tool call runs, never, or the clairvoyant "until the next turn").
 """
 
 from __future__ import annotations
