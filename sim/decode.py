@@ -85,6 +85,9 @@ class DecodeNode:
         self._joining: collections.deque[_Seq] = collections.deque()
         self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
         self._wake: simpy.Event | None = None
+        # the segment in progress: (start, duration, steps, first step's time, growth per step) and its timer
+        self._segment: tuple[float, float, int, float, float] = (0.0, 0.0, 0, 0.0, 0.0)
+        self._segment_timer: object = None
         self._retained_clock = 0.0
         self._run()
 
@@ -358,17 +361,26 @@ class DecodeNode:
             slope = profile.decode_step_s(batch, context + batch) - step0
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _steps_within counts it
             # one wake event serves both ends of the wait: the segment's timer or a joining sequence
-            wake = self._wake = env.event()
-            after(env, segment_s, lambda _e, w=wake: None if w.triggered else succeed_now(env, w))
-            wake.callbacks.append(lambda _e: self._on_segment_wake(now, segment_s, k, step0, slope))
+            self._segment = (now, segment_s, k, step0, slope)
+            self._wake = env.event()
+            self._wake.callbacks.append(self._on_segment_wake)
+            self._segment_timer = after(env, segment_s, self._on_segment_timer)
             return
 
     def _on_idle_wake(self, _event: simpy.Event) -> None:
         self._wake = None
         self._run()
 
-    def _on_segment_wake(self, start: float, segment_s: float, k: int, step0: float, slope: float) -> None:
+    def _on_segment_timer(self, timer: object) -> None:
+        """The segment's timer: wakes the loop unless a joining sequence already did (then the wake is
+        triggered, gone, or a later segment's, with a later timer)."""
+        wake = self._wake
+        if timer is self._segment_timer and wake is not None and not wake.triggered:
+            succeed_now(self.env, wake)
+
+    def _on_segment_wake(self, _event: simpy.Event) -> None:
         env = self.env
+        start, segment_s, k, step0, slope = self._segment
         self._wake = None
         if env._now - start < segment_s:
             # a sequence is waiting to join: run to the end of the step in progress

@@ -49,12 +49,15 @@ class _Timer:
         self.callbacks = [callback]
 
 
-def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> None:
+def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> _Timer:
     """``env.timeout(delay).callbacks.append(callback)``: the same queue entry (time, priority, sequence
-    number) a Timeout gets, so the same order of everything."""
+    number) a Timeout gets, so the same order of everything. ``callback`` is called with the returned
+    entry (a caller can tell its timers apart)."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
-    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), _Timer(callback)))
+    timer = _Timer(callback)
+    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
+    return timer
 
 
 def nothing_due_now(env: simpy.Environment) -> bool:
