@@ -33,7 +33,7 @@ class Interconnect:
         self._flows: list[_Flow] = []
         self._per_nic: collections.Counter[str] = collections.Counter()
         self._last_update = 0.0
-        self._generation = 0
+        self._timer: object = None  # the one timer that is not superseded (a flow started or ended since the others)
         self.bytes_moved = 0.0
         self.transfers = 0
 
@@ -73,8 +73,8 @@ class Interconnect:
         self._last_update = now
 
     def _reschedule(self) -> None:
-        self._generation += 1
         if not self._flows:
+            self._timer = None
             return
         # every flow, at every start and end (O(flows), the hot loop at 64P64D): min/max spelled out as
         # comparisons, which pick the same operand the builtins do
@@ -90,11 +90,10 @@ class Interconnect:
             t = left / rate
             if t < soonest:
                 soonest = t
-        generation = self._generation
-        after(self.env, soonest, lambda _event: self._on_timer(generation))
+        self._timer = after(self.env, soonest, self._on_timer)
 
-    def _on_timer(self, generation: int) -> None:
-        if generation != self._generation:
+    def _on_timer(self, timer: object) -> None:
+        if timer is not self._timer:
             return  # a flow started or ended since this timer was set
         self._advance()
         # a flow is done when what is left would take under a nanosecond (float residue)
