@@ -1,85 +1,118 @@
-"""`bidikv validate` on three runs recorded from ONE real CPU deployment (tests/e2e/record_validate.py --only on):
-bidirectional ON, TTL 10 s, threshold 64, h512/l8 float32 model, 6 conversations x 4 requests each.
+"""`bidikv validate` on eight runs recorded from four real CPU deployments (tests/e2e/record_validate.py):
+h512/l8 float32 model, P without prefix caching, 8 conversations x 4 requests per run, P pinned to core 0
+and D to core 1, recorded at nice -15 on a 2-core machine other work shared (load 2.5-4.3; each
+run's deployment.json holds `uptime` before and after).
 
-    on-c1   seed 7, 1 client,  think time x0.01   fit
-    on-c2a  seed 9, 2 clients, think time x0.01   fit
-    on-c2   seed 8, 2 clients, think time x0.03   held out (longer gaps: 5 of 18 later turns expired)
+    run       deployment                seed  clients  think time   role
+    on-c1     ON, threshold 64, TTL 10  7     1        x0.01        fit
+    on-c2a    ON, threshold 64, TTL 10  9     2        x0.01        fit
+    on-c2     ON, threshold 64, TTL 10  8     2        x0.03        held out: longer gaps, 7 turns expire
+    on-c3     ON, threshold 64, TTL 10  10    3        x0.01        held out: another concurrency
+    t512-c2   ON, threshold 512, TTL 10 8     2        x0.03        held out: another threshold
+    ttl30-c2  ON, threshold 64, TTL 30  8     2        x0.03        held out: a TTL no gap outlives
+    off-c2    OFF                       8     2        x0.03        held out: bidirectional OFF
+    off-c1    OFF                       7     1        x0.01        held out: OFF, one client
 
-What the deployment did (offered, pulled) is in the JSONL, from the router's and P's headers: the
-expected decisions below are vLLM's, not this code's. Recorded on a shared 2-core machine at load
-average 14-25 (the runs' deployment.json files hold `uptime` before and after): latencies are noisy,
-decisions are not.
+What each deployment did (offered, pulled) is in the JSONL, from the router's and P's headers: the
+decisions the simulator must match are vLLM's, not this code's. The latency bounds asserted are the
+issue's targets (TTFT median |error| <= 15 %, p90 <= 30 %) where the recordings meet them, and the
+measured figure with its cause where they do not (OFF, below).
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
+
+import pytest
 
 from calibration.bench_settings import settings_for
 from calibration.from_bench import fit_from_runs
 from calibration.profile import LatencyProfile
 from calibration.validate import validate_run
+from calibration.validate_cli import ranking
 from impl.bench.records import read_jsonl
 from impl.cli import main
 
 DATA = pathlib.Path(__file__).parent / "data" / "validate"
 BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")
-FIT = [DATA / "on-c1.jsonl", DATA / "on-c2a.jsonl"]
-HELD_OUT = DATA / "on-c2.jsonl"
+FIT = ["on-c1", "on-c2a"]
+HELD_OUT_ON = ["on-c2", "on-c3", "t512-c2", "ttl30-c2"]
+HELD_OUT_OFF = ["off-c2", "off-c1"]
+SAME_WORKLOAD = ["on-c2", "t512-c2", "ttl30-c2", "off-c2"]  # seed 8, 2 clients, x0.03: four configurations
 
 
+def _path(name: str) -> pathlib.Path:
+    return DATA / f"{name}.jsonl"
+
+
+@functools.lru_cache(maxsize=None)
 def _fitted() -> LatencyProfile:
-    profile, _ = fit_from_runs([read_jsonl(str(p)) for p in FIT], BASE, settings=settings_for(FIT[0]))
+    profile, _ = fit_from_runs([read_jsonl(str(_path(n))) for n in FIT], BASE, settings=settings_for(_path(FIT[0])))
     return profile
 
 
-def test_decisions_and_pulled_tokens_agree_exactly_on_the_fitted_runs():
-    profile = _fitted()
-    for path in FIT:
-        summary, turns = validate_run(read_jsonl(str(path)), profile, settings_for(path))
-        assert summary["decisions_agree"] == summary["pulled_tokens_agree"] == summary["turns"] == 24, path
-        assert summary["pulled_tokens"]["real"] == summary["pulled_tokens"]["sim"]
+@functools.lru_cache(maxsize=None)
+def _summary(name: str, profile_name: str = "fitted") -> dict:
+    profile = _fitted() if profile_name == "fitted" else BASE
+    summary, _ = validate_run(read_jsonl(str(_path(name))), profile, settings_for(_path(name)))
+    return summary
 
 
-def test_held_out_decisions_agree_but_for_one_read_the_loaded_p_made_too_late():
-    summary, turns = validate_run(read_jsonl(str(HELD_OUT)), _fitted(), settings_for(HELD_OUT))
-    assert summary["decision_matrix"] == {"none": {"none": 6}, "pulled": {"pulled": 12}, "expired": {"expired": 5},
-                                          "declined": {"pulled": 1}}
-    # The one: conversation 1, turn 2 arrived 3.7 s after turn 1 finished, inside the 5 s the 10 s TTL
-    # leaves after vLLM's 5 s margin, so the router offered D's 833 tokens; P's worker logged "Declining
-    # expired remote read" (its read came after the margin: TTFT 5.9 s on a machine at load 25). The
-    # simulator's P reads at once and pulls: it has no model of a host that delays P by seconds.
-    (odd,) = [t for t in turns if not t.decision_agrees]
-    assert (odd.conversation, odd.turn, odd.sim_pulled) == ("synthetic-0001", 2, 833)
-    assert summary["pulled_tokens"]["sim"] - summary["pulled_tokens"]["real"] == 833
+@pytest.mark.parametrize("name", FIT + HELD_OUT_ON + HELD_OUT_OFF)
+def test_every_decision_and_every_pulled_token_agrees(name):
+    s = _summary(name)
+    assert s["turns"] == 32
+    assert s["decisions_agree"] == s["pulled_tokens_agree"] == 32, s["decision_matrix"]
+    assert s["pulled_tokens"]["real"] == s["pulled_tokens"]["sim"]
 
 
-def test_held_out_ttft_error_is_bounded_and_unbiased():
-    """A regression guard, not the issue's target (15 % median): on this loaded machine the fitted
-    runs themselves are fitted to 45 % median |error|. Measured held out: median 45 %, signed +10 %."""
-    summary, _ = validate_run(read_jsonl(str(HELD_OUT)), _fitted(), settings_for(HELD_OUT))
-    ttft = summary["overall"]["ttft"]
-    assert ttft["median_abs_pct"] < 60
-    assert abs(ttft["median_signed_pct"]) < 30
-    # the uncalibrated profile (H200 terms) predicts this CPU rig nearly 100 % too fast: the fit is what helps
-    base_summary, _ = validate_run(read_jsonl(str(HELD_OUT)), BASE, settings_for(HELD_OUT))
-    assert base_summary["overall"]["ttft"]["median_abs_pct"] > 90
+def test_the_held_out_runs_exercise_every_decision_the_deployment_made():
+    # what vLLM did in them (router and P headers): pulls, turns whose D blocks had expired, OFF recomputes
+    matrix = {name: _summary(name)["decision_matrix"] for name in HELD_OUT_ON + HELD_OUT_OFF}
+    assert matrix["on-c2"] == {"none": {"none": 8}, "pulled": {"pulled": 17}, "expired": {"expired": 7}}
+    assert matrix["ttl30-c2"] == {"none": {"none": 8}, "pulled": {"pulled": 24}}  # the same turns, none expired
+    assert matrix["off-c2"] == {"none": {"none": 32}}
+
+
+@pytest.mark.parametrize("name", HELD_OUT_ON)
+def test_held_out_on_runs_meet_the_latency_targets(name):
+    ttft, tpot = _summary(name)["overall"]["ttft"], _summary(name)["overall"]["tpot"]
+    assert ttft["median_abs_pct"] <= 15 and ttft["p90_abs_pct"] <= 30, ttft
+    assert tpot["median_abs_pct"] <= 15 and tpot["p90_abs_pct"] <= 30, tpot
+
+
+def test_the_uncalibrated_profile_does_not():
+    """The same replay with the H200 profile the fit started from misses the targets on every held-out run
+    (measured: TTFT p90 63-75 %, median 13-48 %): the fit is what makes them."""
+    for name in HELD_OUT_ON:
+        ttft = _summary(name, "base")["overall"]["ttft"]
+        assert ttft["p90_abs_pct"] > 30, (name, ttft)
+
+
+def test_off_runs_median_and_what_the_simulator_misses():
+    """OFF (measured): off-c2's median is on target, but on this rig 1-2 s more to the first token on many
+    OFF turns that follow their conversation's previous turn within seconds (0.5-1.8 s above the
+    simulated TTFT on 16 of off-c1's 32 turns and 9 of off-c2's; on none of on-c2's), which no term of the
+    model has. The simulator predicts those turns at their prefill's cost."""
+    late = {}
+    for name in ("off-c1", "off-c2", "on-c2"):
+        _, turns = validate_run(read_jsonl(str(_path(name))), _fitted(), settings_for(_path(name)))
+        late[name] = sum(t.real_ttft_s - t.sim_ttft_s > 0.5 for t in turns)
+    assert late["on-c2"] == 0 and late["off-c1"] >= 10 and late["off-c2"] >= 5, late
+    off_c2, off_c1 = _summary("off-c2")["overall"]["ttft"], _summary("off-c1")["overall"]["ttft"]
+    assert off_c2["median_abs_pct"] <= 15
+    assert off_c1["median_signed_pct"] < -30 and off_c2["median_signed_pct"] < 5
+
+
+def test_the_simulator_ranks_four_configurations_of_one_workload_as_the_deployment_did():
+    order = ranking({str(_path(n)): _summary(n) for n in SAME_WORKLOAD})
+    assert order["same"], order
+    assert order["real"] == ["ttl30-c2.jsonl", "on-c2.jsonl", "t512-c2.jsonl", "off-c2.jsonl"]
 
 
 def test_cli_held_out_run(capsys):
-    args = ["validate"] + [a for p in FIT for a in ("--fit", str(p))] + ["--bench", str(HELD_OUT)]
+    args = ["validate"] + [a for n in FIT for a in ("--fit", str(_path(n)))] + ["--bench", str(_path("on-c2"))]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "held out (not fitted on)" in out and "decisions agree 23/24" in out
-
-
-def test_ranking_of_the_three_runs_is_reported_as_it_is():
-    """Measured mean TTFT: on-c1 1.50 s < on-c2 2.21 s < on-c2a 2.94 s (on-c2a ran at load 25). The simulator puts
-    on-c2 (more expiries, more recompute) last: it cannot know the machine was busier during on-c2a."""
-    from calibration.validate_cli import ranking
-
-    profile = _fitted()
-    summaries = {str(p): validate_run(read_jsonl(str(p)), profile, settings_for(p))[0] for p in FIT + [HELD_OUT]}
-    r = ranking(summaries)
-    assert r["real"] == ["on-c1.jsonl", "on-c2.jsonl", "on-c2a.jsonl"]
-    assert r["sim"] == ["on-c1.jsonl", "on-c2a.jsonl", "on-c2.jsonl"] and not r["same"]
+    assert "held out (not fitted on)" in out and "decisions agree 32/32" in out
