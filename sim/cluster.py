@@ -61,8 +61,10 @@ class Cluster:
                                           pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
                                           self.interconnect, self.router.on_decode_finish))
         self.router.add_decode(self.decode)
+        # each conversation's turn in flight, for the oracle's look at the next one (only it reads them)
         self._conversations: dict[tuple[str, str], Conversation] = {}
         self._turn_index: dict[tuple[str, str], int] = {}
+        self._tracks_turns = pol.retention == "oracle"
         if pol.retention == "oracle":
             oracle = OracleRetention(self._next_reuse, pol.expiry_margin_s)
             for d in self.decode:
@@ -96,8 +98,9 @@ class Cluster:
                   on_done: Callable[[], None]) -> TurnRecord:
         """Send turn ``index`` of ``conv`` now; ``on_done()`` runs from the event that ends it."""
         key = (conv.tenant, conv.conversation_id)
-        self._conversations[key] = conv
-        self._turn_index[key] = index
+        if self._tracks_turns:
+            self._conversations[key] = conv
+            self._turn_index[key] = index
         turn = conv.turns[index]
         rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env._now)
         self.records.append(rec)

@@ -113,7 +113,8 @@ class Router:
         rec.prefill_instance = p_name
 
         def prefilled() -> None:
-            self._last_prefill[key] = (p_name, n)
+            if self.prefix_caching:  # only placement under prefix caching reads it
+                self._last_prefill[key] = (p_name, n)
             d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
             d_name = self._pick_d(d_req)
             rec.decode_instance = d_name
