@@ -256,7 +256,9 @@ class DecodeNode:
         """The turn has its blocks: take the rest of the prompt's KV from P, then join the batch."""
         env, profile = self.env, self.profile
         n = rec.prompt_tokens
-        rec.d_queue_s = env._now - arrived_at
+        waited = env._now - arrived_at
+        if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
+            rec.d_queue_s = waited
         self._check()
         rec.p2d_tokens = n - hit_tokens
         seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), blocks, on_done)

@@ -195,7 +195,9 @@ class PrefillNode:
     def _finished(self, rec: "TurnRecord", job: "_Job | None", conv_key: Any, revision: int,
                   shared_prefix_tokens: int) -> None:
         assert job is not None
-        rec.p_queue_s = job.started_at - job.enqueued_at
+        waited = job.started_at - job.enqueued_at
+        if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
+            rec.p_queue_s = waited
         rec.prefill_compute_s = self.env._now - job.started_at
         if self.cache is not None:
             self.cache.insert(conv_key, revision, rec.prompt_tokens, shared_prefix_tokens, rec.turn)
