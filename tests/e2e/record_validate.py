@@ -22,7 +22,10 @@ load it ran under.
 
 On a machine other work shares, run it at a higher priority than that work (as root: ``nice -n -15
 .venv/bin/python -m tests.e2e.record_validate ...``): the servers, the router and the bench client inherit
-it, so other processes yield the cores to the deployment; each deployment.json records the niceness.
+it, and so does the scheduler group of each process's session (Linux autogroup: with
+``kernel.sched_autogroup_enabled`` a niceness only ranks threads within their session's group, and the
+servers each run in a session of their own), so other processes yield the cores to the deployment; each
+deployment.json records the niceness.
 
 on-c2, t512-c2, ttl30-c2 and off-c2 are one workload under four configurations: the ranking the
 simulator must reproduce. ``--only NAME`` starts only that deployment.
@@ -50,6 +53,19 @@ DEPLOYMENTS = {"on": (True, 64, 10.0), "t512": (True, 512, 10.0), "ttl30": (True
 RUNS = (("on-c1", "on", 7, 1, 0.01), ("on-c2a", "on", 9, 2, 0.01), ("on-c2", "on", 8, 2, 0.03),
         ("on-c3", "on", 10, 3, 0.01), ("t512-c2", "t512", 8, 2, 0.03), ("ttl30-c2", "ttl30", 8, 2, 0.03),
         ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 8, 2, 0.03))
+
+
+def share_niceness(pids: list[int]) -> None:
+    """Give each process's autogroup (its session's scheduling group) this process's niceness: without it,
+    ``nice`` ranks threads only against others of the same session (Linux autogroup)."""
+    niceness = os.nice(0)
+    if niceness == 0:
+        return
+    for pid in pids:
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+        except OSError:  # no autogroup in this kernel, or not allowed: plain nice is all there is
+            pass
 
 
 def _uptime() -> str:
@@ -91,6 +107,7 @@ def main() -> int:
         started = time.monotonic()
         dep = start_deployment(model, out / f"logs-{deployment}", spec)
         try:
+            share_niceness([os.getpid()] + [pid for p in dep.processes for pid in p.pids()])
             print(f"[{deployment}] up in {time.monotonic() - started:.0f} s; {_uptime()}", flush=True)
             bench(dep.router.url, mode, _warmup_config(out, 1000), out / f"warmup-{deployment}.jsonl", 1, 0.01)
             for name, run_deployment, seed, concurrency, gap in RUNS:
