@@ -55,8 +55,11 @@ def register(subparsers: Any) -> None:
 
     prof = subparsers.add_parser(
         "profile", help="a latency profile for an unmeasured model from its config.json",
-        description="Build a latency profile from an HF-style config.json, the hardware and the efficiencies "
-                    "fitted on the measured models; prints JSON with the physical floors.")
+        description="Build a latency profile from an HF-style config.json and the hardware (exact physics), the "
+                    "engine terms fitted on both measured models and the prefill terms of the measured model of "
+                    "the same kernel family; prints the profile JSON on stdout and, on stderr, the physical "
+                    "floors, what to trust, the expected error (leave one model out) and the bench commands "
+                    "that replace the rest.")
     prof.add_argument("--model-config", required=True, metavar="CONFIG_JSON",
                       help="the model's Hugging Face config.json (layers, heads, KV heads, head size)")
     prof.add_argument("--hardware", default="p5en", help="shipped hardware name or a JSON path (default p5en)")
@@ -64,7 +67,8 @@ def register(subparsers: Any) -> None:
     prof.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
                       help="KV cache element type (auto: the model's dtype) (default: %(default)s)")
     prof.add_argument("--block-size", type=int, help="KV block tokens (default: 16 GQA, 64 MLA)")
-    prof.add_argument("--efficiencies", help="efficiencies JSON (default: fitted on the measured models)")
+    prof.add_argument("--efficiencies", help="efficiencies JSON or shipped hardware name (default: carried from the "
+                                             "measured models, calibration.portable)")
     prof.add_argument("--name", help="model name in the profile (default: the config file's stem)")
     prof.add_argument("--output", "-o", help="write the profile JSON here instead of stdout")
     prof.set_defaults(run=run_profile)
