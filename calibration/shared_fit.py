@@ -34,7 +34,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "engine overheads shared; prefill fixed cost and GEMM/attention efficiency per model":
         ("prefill_fixed_per_layer_s",) + PREFILL_EFFICIENCIES,
     "engine overheads and prefill fixed cost shared; GEMM/attention efficiency per model": PREFILL_EFFICIENCIES,
-    "every term shared (the two-model compromise bidikv profile falls back to)": (),
+    "every term shared (the two-model compromise, data/p5en_efficiencies.json)": (),
 }
 
 
