@@ -171,3 +171,13 @@ def test_trust_report_says_when_the_band_could_not_be_computed(write_config, mon
     monkeypatch.setattr(calibration.loo, "report", broken)
     text = trust_report(profile_from_architecture(write_config(QWEN3_32B), "p5en", 8))
     assert "expected error: not computed" in text and "simulator down" in text and "bidikv bench" in text
+
+
+def test_profile_is_byte_identical_when_built_again(write_config):
+    from calibration.shared_fit import carried_fit, compromise_fit
+
+    path = write_config(BF16_MOE_GQA)  # needs both the carried and the compromise fit
+    first = profile_from_architecture(path, "p5en", 2).to_json()
+    carried_fit.cache_clear()
+    compromise_fit.cache_clear()
+    assert profile_from_architecture(path, "p5en", 2).to_json() == first
