@@ -93,7 +93,11 @@ def _approx_bytes(value: Any) -> int:
             return size + 32 * len(value)  # D's ids: homogeneous ints
         return size + sum(_approx_bytes(v) for v in value)
     if t is dict:
-        return sys.getsizeof(value) + sum(_approx_bytes(k) + _approx_bytes(v) for k, v in value.items())
+        size = sys.getsizeof(value)
+        for k, v in value.items():  # str keys sized inline: every entry's params dict is sized on every turn
+            size += sys.getsizeof(k) if type(k) is str else _approx_bytes(k)
+            size += _approx_bytes(v)
+        return size
     if value is None or t is bool:
         return 0
     return sys.getsizeof(value)
@@ -221,9 +225,11 @@ class ConversationStore:
             if not bucket:
                 del self._wheel[bucket_index]
         conv = key[1]
-        self._tenants_per_id[conv] -= 1
-        if not self._tenants_per_id[conv]:
-            del self._tenants_per_id[conv]
+        left = self._tenants_per_id[conv] - 1
+        if left:
+            self._tenants_per_id[conv] = left
+        else:
+            self._tenants_per_id.pop(conv)  # dict's own pop: Counter's __delitem__ is Python code
         if reason is not None:
             self._remember_gone(key, reason)
 
