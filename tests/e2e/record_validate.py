@@ -107,7 +107,7 @@ def main() -> int:
         started = time.monotonic()
         dep = start_deployment(model, out / f"logs-{deployment}", spec)
         try:
-            share_niceness([os.getpid()] + [pid for p in dep.processes for pid in p.pids()])
+            share_niceness([os.getpid()])  # the bench client's session; the servers' own sessions took it at start
             print(f"[{deployment}] up in {time.monotonic() - started:.0f} s; {_uptime()}", flush=True)
             bench(dep.router.url, mode, _warmup_config(out, 1000), out / f"warmup-{deployment}.jsonl", 1, 0.01)
             for name, run_deployment, seed, concurrency, gap in RUNS:

@@ -39,12 +39,14 @@ def replicas(e2e: E2E, redis_server):
 
 
 def settled_delta(e2e: E2E, router: str, before: dict) -> dict:
-    """Counters after a turn minus ``before`` once vLLM has published the turn's reads (deadline polling)."""
+    """Counters after a turn minus ``before`` once vLLM has published the turn's reads and D's notification
+    of the turn has reached the router (deadline polling: D posts it after the client has its answer)."""
     deadline = time.monotonic() + 10.0
     while True:
         after = counters_at(e2e.prefill, e2e.decode, router)
         d = {k: delta(after[k], before[k]) for k in after}
-        if all(d[n]["external_tokens"] == 0 or d[n]["xfers"] >= 1 for n in ("p", "d")) or time.monotonic() > deadline:
+        if ((all(d[n]["external_tokens"] == 0 or d[n]["xfers"] >= 1 for n in ("p", "d")) and d["router"]["stored_notify"] >= 1)
+                or time.monotonic() > deadline):
             return d
         time.sleep(0.25)
 
