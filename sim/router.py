@@ -131,7 +131,7 @@ class Router:
         for p in self._p_dirty:
             if indexed.get(p) != p.queued_tokens:  # marked, but what placement reads may be unchanged
                 indexed[p] = p.queued_tokens
-                index.update(InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens))
+                index.update_load(p.name, queued_prefill_tokens=p.queued_tokens)
         self._p_dirty.clear()
         return index.pick(self.rng)
 
@@ -144,8 +144,7 @@ class Router:
             load = (len(d.running), d.running_blocks + d.arriving_blocks)
             if indexed.get(d) != load:
                 indexed[d] = load
-                index.update(InstanceLoad(d.name, running_requests=load[0], used_blocks=load[1],
-                                          total_blocks=d.capacity))
+                index.update_load(d.name, running_requests=load[0], used_blocks=load[1], total_blocks=d.capacity)
         self._d_dirty.clear()
         return index.pick(self.rng)
 

@@ -83,7 +83,12 @@ class LeastLoaded:
 
     @staticmethod
     def key(inst: InstanceLoad) -> tuple[int, float, int]:
-        return inst.queued_prefill_tokens, inst.used_blocks / inst.total_blocks, inst.running_requests
+        return LeastLoaded.key_of(inst.queued_prefill_tokens, inst.used_blocks, inst.total_blocks, inst.running_requests)
+
+    @staticmethod
+    def key_of(queued_prefill_tokens: int, used_blocks: int, total_blocks: int,
+               running_requests: int) -> tuple[int, float, int]:
+        return queued_prefill_tokens, used_blocks / total_blocks, running_requests
 
     def pick(self, instances: Sequence[InstanceLoad], request: PlacementRequest, rng: random.Random) -> str | None:
         return _argmin(instances, self.key, rng)
@@ -107,11 +112,22 @@ class LeastLoadedIndex:
 
     def update(self, inst: InstanceLoad) -> None:
         """``inst`` is the instance's load now (replacing what the index held for its name)."""
-        old = self._entry.pop(inst.name, None)
+        self._set(inst.name, LeastLoaded.key(inst) if inst.healthy else None)
+
+    def update_load(self, name: str, *, queued_prefill_tokens: int = 0, running_requests: int = 0,
+                    used_blocks: int = 0, total_blocks: int = 1) -> None:
+        """:meth:`update` with a healthy instance's numbers, for a caller that changes loads more often
+        than it picks (no InstanceLoad built per change)."""
+        if total_blocks < 1:
+            raise ValueError(f"instance {name!r}: total_blocks must be >= 1, got {total_blocks}")
+        self._set(name, LeastLoaded.key_of(queued_prefill_tokens, used_blocks, total_blocks, running_requests))
+
+    def _set(self, name: str, key: tuple[int, float, int] | None) -> None:
+        old = self._entry.pop(name, None)
         if old is not None:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
-        if inst.healthy:
-            entry = self._entry[inst.name] = (LeastLoaded.key(inst), self._position[inst.name], inst.name)
+        if key is not None:  # None: unhealthy, out of the choice
+            entry = self._entry[name] = (key, self._position[name], name)
             bisect.insort(self._sorted, entry)
 
     def pick(self, rng: random.Random) -> str | None:

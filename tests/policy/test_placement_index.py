@@ -25,7 +25,12 @@ def test_index_picks_what_the_list_policy_picks_after_every_change(size, changes
         if change.name not in current:
             continue
         current[change.name] = change
-        index.update(change)
+        if change.healthy and change.running_requests % 2:  # both ways in, interleaved
+            index.update_load(change.name, queued_prefill_tokens=change.queued_prefill_tokens,
+                              running_requests=change.running_requests, used_blocks=change.used_blocks,
+                              total_blocks=change.total_blocks)
+        else:
+            index.update(change)
         expected = LeastLoaded().pick(list(current.values()), PlacementRequest(1), rng_list)
         assert index.pick(rng_index) == expected
         assert rng_index.getstate() == rng_list.getstate()  # the same draws, so later picks agree too
@@ -43,6 +48,12 @@ def test_no_healthy_instance_picks_none():
     index = LeastLoadedIndex([InstanceLoad("a")])
     index.update(InstanceLoad("a", healthy=False))
     assert index.pick(random.Random(0)) is None
+
+
+def test_update_load_refuses_what_an_instance_load_refuses():
+    index = LeastLoadedIndex([InstanceLoad("a")])
+    with pytest.raises(ValueError, match="total_blocks must be >= 1"):
+        index.update_load("a", total_blocks=0)
 
 
 def test_duplicate_names_are_refused():
