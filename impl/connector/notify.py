@@ -5,7 +5,8 @@ D's stream where D keeps a finished turn's blocks. The router puts ``bidikv_noti
 ``turn``, ``token``) in the params it sends D; when D's scheduler finishes such a request *and
 retains its blocks*, :class:`Notifier` POSTs ``{"turn", "token", "kv_transfer_params",
 "expires_in_s"}`` to that URL, plus ``heartbeat_url`` when D runs a heartbeat listener
-(:mod:`impl.connector.heartbeat`): where the router relays the conversation's heartbeats.
+(:mod:`impl.connector.heartbeat`): where the router relays the conversation's heartbeats. When it
+retains nothing it POSTs ``{"turn", "token", "retained": false}``, so the router stops waiting.
 
 Never on the engine's critical path: ``submit`` only validates the field, encodes the body and puts it
 on a bounded queue (a full queue drops the notification and counts it); one daemon thread does the
@@ -102,10 +103,16 @@ class Notifier:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, target: NotifyTarget, kv_params: dict[str, Any], expires_in_s: float | None,
+    def submit(self, target: NotifyTarget, kv_params: dict[str, Any] | None, expires_in_s: float | None,
                heartbeat_url: str | None = None) -> bool:
-        """Queue one notification; never blocks. False if it was dropped."""
-        body = {"turn": target.turn, "token": target.token, "kv_transfer_params": _jsonable(kv_params)}
+        """Queue one notification; never blocks. False if it was dropped. ``kv_params`` None says D kept
+        nothing for a later turn (``"retained": false``), so the router need not wait for params."""
+        body: dict[str, Any] = {"turn": target.turn, "token": target.token}
+        if kv_params is None:
+            body["retained"] = False
+            expires_in_s = heartbeat_url = None
+        else:
+            body["kv_transfer_params"] = _jsonable(kv_params)
         if expires_in_s is not None and math.isfinite(expires_in_s):
             body["expires_in_s"] = max(0.0, float(expires_in_s))
         if heartbeat_url is not None:

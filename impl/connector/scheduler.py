@@ -307,6 +307,10 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             out["remote_blocks_expiry_time"] = expiry
             self._retained[request.request_id] = (now, expiry)
             self._notify(request, request_params, out, expiry - now)
+        else:
+            # nothing kept for a later turn (bidirectional OFF, aborted, failed): say so, or the router holds
+            # the conversation's next turn for up to its notify_wait_s waiting for params that never come
+            self._notify(request, request_params, None, None)
         return delay, out
 
     def take_stats(self) -> BidikvKVConnectorStats | None:
@@ -352,8 +356,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             answer["heartbeat_interval_s"] = interval
         return answer
 
-    def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any],
-                expires_in_s: float) -> None:
+    def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any] | None,
+                expires_in_s: float | None) -> None:
         if self.notifier is None or not request_params or NOTIFY_KEY not in request_params:
             return
         try:

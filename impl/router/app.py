@@ -301,7 +301,8 @@ class Router:
             return self._notify_result("malformed", error_response(400, str(e), "invalid_request_error", e.field))
         result = self.hub.deliver(turn, token, notification)
         if result is Delivery.ACCEPTED:
-            self.heartbeats.learn(notification)  # where this D takes heartbeats, if it listens
+            if notification.kv_params is not None:
+                self.heartbeats.learn(notification)  # where this D takes heartbeats, if it listens
             return self._notify_result("accepted", web.Response(status=204))
         messages = {Delivery.BAD_TOKEN: "wrong token", Delivery.UNKNOWN_TURN: "unknown or finished turn",
                     Delivery.DUPLICATE: "already notified"}

@@ -16,7 +16,7 @@ Router -> D (in the request body D receives, next to P's params)::
                           "turn": "<opaque turn id>", "token": "<per-request random secret>"}
     }
 
-D's connector -> router, once per request, only when it retains the blocks for a later turn
+D's connector -> router, once per request, when it retains the blocks for a later turn
 (``request_finished`` returns params with ``remote_block_ids``; not for aborted or failed requests)::
 
     POST <url>   Content-Type: application/json
@@ -24,6 +24,17 @@ D's connector -> router, once per request, only when it retains the blocks for a
      "kv_transfer_params": {<exactly the dict request_finished returns>},
      "expires_in_s": <seconds until D frees the blocks, optional>,
      "heartbeat_url": "<http://host:port/bidikv/heartbeat of D's listener, optional>"}
+
+When D keeps nothing for a later turn (bidirectional OFF, an aborted or failed request, blocks it does not
+retain) it says so at once, so that a next turn of the conversation does not wait ``notify_wait_s`` for
+a notification that will never come (added compatibly within version 1; an older router answers 400 and
+waits as before)::
+
+    POST <url>   {"turn": "<turn id>", "token": "<secret>", "retained": false}
+
+Measured before this existed, on the CPU deployment with bidirectional OFF: a turn sent less than 2 s
+after the previous one ended waited out the rest of those 2 s (0.5-1.8 s more to its first token, on 16
+of 32 turns of one run).
 
 ``heartbeat_url`` (optional, added compatibly within version 1: older routers ignore it) is where
 the router relays a conversation's heartbeats (:mod:`impl.router.heartbeat`,
@@ -72,7 +83,7 @@ MAX_NOTIFY_BODY_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Notification:
-    kv_params: dict[str, Any]
+    kv_params: dict[str, Any] | None  # None: D retained nothing for a later turn ("retained": false)
     expires_in_s: float | None
     received_at: float  # monotonic
     heartbeat_url: str | None = None  # D's heartbeat listener, when it runs one
@@ -162,6 +173,14 @@ def parse_notification(body: Any, now: float | None = None) -> tuple[str, str, N
         raise NotifyError("turn", "must be a non-empty string of at most 128 characters")
     if not isinstance(token, str) or not token or len(token) > 256:
         raise NotifyError("token", "must be a non-empty string")
+    retained = body.get("retained", True)
+    if not isinstance(retained, bool):
+        raise NotifyError("retained", "must be true or false")
+    if not retained:
+        extra = sorted(k for k in body if k not in ("turn", "token", "retained"))
+        if extra:
+            raise NotifyError(extra[0], "is not allowed with \"retained\": false")
+        return turn, token, Notification(None, None, time.monotonic() if now is None else now)
     if not isinstance(params, dict) or not params:
         raise NotifyError("kv_transfer_params", "must be a non-empty object")
     expires_in = body.get("expires_in_s")

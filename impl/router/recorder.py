@@ -61,6 +61,9 @@ class TurnRecorder:
             return False
         finished_at = self.clock()
         notification = self.hub.peek(notify_turn) if notify_turn else None
+        if notification is not None and notification.kv_params is None and capture.kv_params is None:
+            self.metrics.turns_not_stored.inc("not_retained")  # D said it kept nothing: no wait
+            return False
         if notification is not None or capture.kv_params is not None:
             await self._store(key, turn, capture, upstream, finished_at, notification)
             return False
@@ -87,6 +90,8 @@ class TurnRecorder:
             notification = await self.hub.wait(notify_turn, self.config.notify_wait_s)
             if notification is None:
                 self.metrics.turns_not_stored.inc("no_params")
+            elif notification.kv_params is None:
+                self.metrics.turns_not_stored.inc("not_retained")
             else:
                 await self._store(key, turn, capture, upstream, finished_at, notification)
         finally:
@@ -102,6 +107,8 @@ class TurnRecorder:
 
     async def _store(self, key: Key, turn: TurnRequest, capture: TurnCapture, upstream: Upstream,
                      finished_at: float, notification: Notification | None) -> None:
+        if notification is not None and notification.kv_params is None:
+            notification = None  # "kept nothing" is no params: a final chunk's, if any, stand
         if notification is not None:
             params = notification.kv_params
             source = "notify"

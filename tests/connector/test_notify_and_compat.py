@@ -65,6 +65,19 @@ def test_posts_the_contract_body_the_router_parses(router):
     notifier.close()
 
 
+def test_kept_nothing_posts_retained_false_the_router_parses(router):
+    url, handler = router
+    notifier = Notifier(timeout_s=1.0)
+    assert notifier.submit(NotifyTarget(url + "/internal/kv_params", "turn-9", "tok"), None, 12.0,
+                           heartbeat_url="http://d0:8200/bidikv/heartbeat")
+    assert notifier.flush(5.0)
+    body = handler.received[-1][2]
+    assert body == {"turn": "turn-9", "token": "tok", "retained": False}  # nothing else: there is nothing kept
+    turn, token, notification = parse_notification(body)
+    assert (turn, token, notification.kv_params, notification.expires_in_s) == ("turn-9", "tok", None, None)
+    notifier.close()
+
+
 def test_router_refusal_is_not_retried(router):
     url, handler = router
     handler.status = 404  # late turn

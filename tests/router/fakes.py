@@ -55,7 +55,9 @@ class Received:
 class FakeVllmUpstream:
     name: str
     role: str = "both"  # "prefill" answers max_tokens=1 non-streamed requests with P params; "decode" the rest
-    style: str = "final_chunk"  # final_chunk | notify | both | none | conflict
+    # final_chunk | notify | both | none | conflict | kept_nothing (our connector in a D that keeps nothing:
+    # bidirectional OFF; posts "retained": false)
+    style: str = "final_chunk"
     chunks: int = 4
     chunk_delay_s: float = 0.0
     # kill_mid_stream | no_done | malformed_final | error_event | stall (D, mid-stream);
@@ -203,7 +205,7 @@ class FakeVllmUpstream:
                                "model": "fake-model", "choices": [choice]}
         params = self._d_params(body)
         out["kv_transfer_params"] = params  # 0.32 and 0.33 both put them in non-streamed bodies
-        if self.style in ("notify", "both", "conflict"):
+        if self.style in ("notify", "both", "conflict", "kept_nothing"):
             self._spawn(self._notify(body, params))
         return web.json_response(out)
 
@@ -254,7 +256,7 @@ class FakeVllmUpstream:
                 await send(b'{"choices": [{"index": 0, "text": "trunc')  # not JSON
                 continue
             await send(chunk)
-        if self.style in ("notify", "both"):
+        if self.style in ("notify", "both", "kept_nothing"):
             self._spawn(self._notify(body, params))
         if self.fault == "inject_events":
             for raw in self.inject:
@@ -291,6 +293,8 @@ class FakeVllmUpstream:
             await asyncio.sleep(self.notify_delay_s)
         payload = {"turn": spec["turn"], "token": self.notify_token_override or spec["token"],
                    "kv_transfer_params": params, "expires_in_s": D_TTL_S}
+        if self.style == "kept_nothing":
+            payload = {"turn": spec["turn"], "token": payload["token"], "retained": False}
         try:
             async with self._session.post(spec["url"], json=payload, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 self.notify_replies.append(r.status)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.router.fakes import expected_answer
@@ -172,6 +174,20 @@ async def test_late_notification_completes_the_store_after_the_client_is_done():
         # the next turn arrives before the notification: it waits for the pending update, then hits
         await dep.chat([user("q"), assistant(r1.answer), user("q2")], conversation_id="late")
         assert dep.p.prefill_requests()[1]["kv_transfer_params"]["remote_engine_id"] == "D-d0"
+
+
+async def test_a_d_that_kept_nothing_says_so_and_the_next_turn_does_not_wait():
+    """bidirectional OFF: D posts "retained": false; the next turn of the conversation, sent at once, is not
+    held for notify_wait_s (30 s here: had it waited, wait_for's 10 s would fail the test)."""
+    async with Deployment(style="kept_nothing", notify_wait_s=30.0) as dep:
+        r1 = await dep.chat([user("q")], conversation_id="off")
+        await asyncio.wait_for(dep.chat([user("q"), assistant(r1.answer), user("q2")], conversation_id="off"), 10.0)
+        await dep.settle()
+        assert dep.router.store.get("default", "off") is None
+        assert dep.d.notify_replies == [204, 204]
+        assert dep.router.metrics.turns_not_stored.get("not_retained") == 2
+        assert "kv_transfer_params" not in dep.p.prefill_requests()[1] or \
+            not dep.p.prefill_requests()[1]["kv_transfer_params"].get("remote_block_ids")  # nothing offered
 
 
 async def test_notification_with_wrong_token_is_rejected():

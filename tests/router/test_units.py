@@ -121,6 +121,9 @@ async def test_hub_wait_times_out_and_close_wakes_waiters():
     ({"turn": "t", "token": "x", "kv_transfer_params": []}, "kv_transfer_params"),
     ({"turn": "t", "token": "x", "kv_transfer_params": {"a": 1}, "expires_in_s": -1}, "expires_in_s"),
     ({"turn": "t", "token": "x", "kv_transfer_params": {"a": 1}, "expires_in_s": True}, "expires_in_s"),
+    ({"turn": "t", "token": "x", "retained": "no"}, "retained"),
+    ({"turn": "t", "token": "x", "retained": False, "kv_transfer_params": {"a": 1}}, "kv_transfer_params"),
+    ({"turn": "t", "token": "x", "retained": True}, "kv_transfer_params"),  # retained needs its params
 ])
 def test_notification_validation(body, field):
     with pytest.raises(NotifyError) as e:
