@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.e2e.deployment import BLOCK_SIZE, NUM_KV_BLOCKS, DeploymentSpec, start_deployment
+from tests.e2e.deployment import BLOCK_SIZE, autogroup_takes_our_niceness, NUM_KV_BLOCKS, DeploymentSpec, start_deployment
 from tests.e2e.measure_on_off import WORKLOAD_TOML, _warmup_config, bench
 from tests.e2e.tiny_model import build_tiny_model, kv_bytes_per_token
 
@@ -53,19 +53,6 @@ DEPLOYMENTS = {"on": (True, 64, 10.0), "t512": (True, 512, 10.0), "ttl30": (True
 RUNS = (("on-c1", "on", 7, 1, 0.01), ("on-c2a", "on", 9, 2, 0.01), ("on-c2", "on", 8, 2, 0.03),
         ("on-c3", "on", 10, 3, 0.01), ("t512-c2", "t512", 8, 2, 0.03), ("ttl30-c2", "ttl30", 8, 2, 0.03),
         ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 8, 2, 0.03))
-
-
-def share_niceness(pids: list[int]) -> None:
-    """Give each process's autogroup (its session's scheduling group) this process's niceness: without it,
-    ``nice`` ranks threads only against others of the same session (Linux autogroup)."""
-    niceness = os.nice(0)
-    if niceness == 0:
-        return
-    for pid in pids:
-        try:
-            Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
-        except OSError:  # no autogroup in this kernel, or not allowed: plain nice is all there is
-            pass
 
 
 def _uptime() -> str:
@@ -107,7 +94,7 @@ def main() -> int:
         started = time.monotonic()
         dep = start_deployment(model, out / f"logs-{deployment}", spec)
         try:
-            share_niceness([os.getpid()])  # the bench client's session; the servers' own sessions took it at start
+            autogroup_takes_our_niceness()  # the bench client's session; the servers' own sessions took it at start
             print(f"[{deployment}] up in {time.monotonic() - started:.0f} s; {_uptime()}", flush=True)
             bench(dep.router.url, mode, _warmup_config(out, 1000), out / f"warmup-{deployment}.jsonl", 1, 0.01)
             for name, run_deployment, seed, concurrency, gap in RUNS:
