@@ -4,25 +4,55 @@ A transfer first pays its fixed part (setup + per-descriptor work, from the prof
 bytes as a flow. A flow's rate is the smallest of: the per-transfer rate the profile measured (one
 transfer alone is setup/overhead bound, not wire bound: see calibration/README.md), and an equal share
 of each endpoint NIC's usable capacity (line rate x efficiency). P->D and D->P flows use the same NICs
-and contend. Rates are recomputed only when a flow starts or ends (processor sharing), so the cost
-is per transfer, not per byte.
+and contend. Rates change only when a flow starts or ends on one of a flow's two NICs (processor
+sharing), so the cost is per transfer, not per byte, and a flow elsewhere costs nothing.
+
+Events: most transfers meet no other on their NICs. A transfer started while no other is on either
+of its NICs is *alone*: its end, ``(start + fixed) + bytes / rate``, is known at once and is its one
+event. It stays alone until another transfer is started on one of its NICs; then both are *shared*:
+a shared flow's start is an event (it may change its neighbours' rates), and each start or end
+re-rates only the moving flows on the two NICs it touches. A flow's timer never fires late: when a
+flow slows down its timer stays and, firing early, moves to the new end; only a speed-up (a
+neighbour's end) sets an earlier timer, leaving the old one to fire as a no-op.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Callable
 
 import simpy
+from simpy.events import NORMAL
 
-from sim.instant import after, nothing_due_now
+from sim.instant import _Timer, after, nothing_due_now
+
+# a flow is done when what is left would take under a nanosecond (float residue of re-rating)
+_DONE_WITHIN_S = 1e-9
+
+
+def _at(env: simpy.Environment, when: float, callback: Callable[[_Timer], None]) -> _Timer:
+    """``sim.instant.after`` at an absolute time (``now + (when - now)`` need not round back to ``when``)."""
+    timer = _Timer(callback)
+    heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
+    return timer
 
 
 class _Flow:
-    __slots__ = ("src", "dst", "remaining", "rate", "on_end")
+    __slots__ = ("src", "dst", "begins", "remaining", "rate", "since", "end", "timer", "timer_at", "alone",
+                 "moving", "on_end")
 
-    def __init__(self, src: str, dst: str, nbytes: float, on_end: Callable[..., None]) -> None:
-        self.src, self.dst, self.remaining, self.rate, self.on_end = src, dst, nbytes, 0.0, on_end
+    def __init__(self, src: str, dst: str, nbytes: float, begins: float, on_end: Callable[..., None]) -> None:
+        self.src, self.dst, self.on_end = src, dst, on_end
+        self.begins = begins  # when the fixed part ends and the bytes start to move
+        self.remaining = nbytes  # bytes left at ``since``
+        self.since = begins
+        self.rate = 0.0
+        self.end = 0.0  # when the bytes are all moved, at today's rate
+        self.timer: _Timer | None = None  # the one of this flow's timers that is not superseded
+        self.timer_at = 0.0
+        self.alone = True  # no other transfer on its NICs since it started: rate and end fixed from the start
+        self.moving = False  # a shared flow past its fixed part (counted on its NICs)
 
 
 class Interconnect:
@@ -30,91 +60,117 @@ class Interconnect:
         self.env = env
         self.nic_capacity = nic_capacity_bytes_per_s
         self.per_transfer_cap = per_transfer_bytes_per_s
-        self._flows: list[_Flow] = []
-        self._per_nic: collections.Counter[str] = collections.Counter()
-        self._last_update = 0.0
-        self._timer: object = None  # the one timer that is not superseded (a flow started or ended since the others)
+        self._on_nic: collections.defaultdict[str, list[_Flow]] = collections.defaultdict(list)  # started, not ended
+        self._moving: collections.Counter[str] = collections.Counter()  # shared flows moving, per NIC
+        self._alone_rate = self._rate_at(1, 1)
         self.bytes_moved = 0.0
         self.transfers = 0
 
     def start(self, src: str, dst: str, nbytes: float, fixed_s: float, on_done: Callable[[float], None]) -> None:
         """Move ``nbytes`` from ``src`` to ``dst``; ``on_done(elapsed seconds)`` runs from the event that
         ends the transfer (no process needed)."""
-        start = self.env._now
+        env = self.env
+        start = env._now
 
         def finish(_event: object = None) -> None:
             self.bytes_moved += nbytes
             self.transfers += 1
             on_done(self.env._now - start)
 
-        if nbytes > 0:
+        if nbytes <= 0:
             if fixed_s > 0:
-                after(self.env, fixed_s, lambda _event: self._start_flow(src, dst, nbytes, finish))
+                after(env, fixed_s, finish)
             else:
-                self._start_flow(src, dst, nbytes, finish)
-        elif fixed_s > 0:
-            after(self.env, fixed_s, finish)
-        else:
-            finish()
-
-    def _start_flow(self, src: str, dst: str, nbytes: float, on_end: Callable[..., None]) -> None:
-        self._advance()
-        self._flows.append(_Flow(src, dst, float(nbytes), on_end))
-        self._per_nic[src] += 1
-        self._per_nic[dst] += 1
-        self._reschedule()
-
-    def _advance(self) -> None:
-        now = self.env._now
-        elapsed = now - self._last_update
-        if elapsed > 0:
-            for flow in self._flows:
-                flow.remaining -= flow.rate * elapsed
-        self._last_update = now
-
-    def _reschedule(self) -> None:
-        if not self._flows:
-            self._timer = None
+                finish()
             return
-        # every flow, at every start and end (O(flows), the hot loop at 64P64D): min/max spelled out as
-        # comparisons, which pick the same operand the builtins do
-        soonest = float("inf")
-        capacity, cap, per_nic = self.nic_capacity, self.per_transfer_cap, self._per_nic
-        for flow in self._flows:
-            at_src, at_dst = per_nic[flow.src], per_nic[flow.dst]
-            share = capacity / (at_dst if at_dst > at_src else at_src)
-            rate = flow.rate = share if share < cap else cap
-            left = flow.remaining
+        flow = _Flow(src, dst, float(nbytes), start + fixed_s, finish)
+        on_src, on_dst = self._on_nic[src], self._on_nic[dst]
+        neighbours = on_src + on_dst
+        on_src.append(flow)
+        on_dst.append(flow)
+        if not neighbours:
+            flow.rate = self._alone_rate
+            flow.end = flow.begins + flow.remaining / flow.rate
+            self._arm(flow)
+            return
+        flow.alone = False
+        for other in neighbours:
+            if other.alone:
+                self._share(other)
+        if fixed_s > 0:
+            after(env, fixed_s, lambda _timer: self._begin(flow))
+        else:
+            self._begin(flow)
+
+    def _rate_at(self, at_src: int, at_dst: int) -> float:
+        share = self.nic_capacity / (at_dst if at_dst > at_src else at_src)
+        return share if share < self.per_transfer_cap else self.per_transfer_cap
+
+    def _share(self, flow: _Flow) -> None:
+        """An alone flow gets a neighbour: from now on its NICs count it and its rate can change. Its
+        end timer stays (no neighbour can make it end sooner than alone)."""
+        flow.alone = False
+        if flow.begins <= self.env._now:
+            # moving since ``begins`` at the alone rate: ``since``, ``remaining`` and ``end`` say so already
+            flow.moving = True
+            self._moving[flow.src] += 1
+            self._moving[flow.dst] += 1
+        else:
+            _at(self.env, flow.begins, lambda _timer: self._begin(flow))
+
+    def _begin(self, flow: _Flow) -> None:
+        """A shared flow's fixed part ends: it moves, and slows the flows it now shares a NIC with."""
+        moving = self._moving
+        moving[flow.src] += 1
+        moving[flow.dst] += 1
+        flow.moving = True
+        self._rerate_neighbours(flow)
+        now = self.env._now
+        flow.since = now
+        flow.rate = self._rate_at(moving[flow.src], moving[flow.dst])
+        flow.end = now + flow.remaining / flow.rate
+        if flow.timer is None or flow.end < flow.timer_at:
+            self._arm(flow)
+
+    def _rerate_neighbours(self, flow: _Flow) -> None:
+        """New rates for the moving flows on ``flow``'s NICs (``flow`` itself excepted), whose count changed."""
+        now, moving = self.env._now, self._moving
+        src, dst = flow.src, flow.dst
+        for other in self._on_nic[src] + [f for f in self._on_nic[dst] if f.src != src and f.dst != src]:
+            if other is flow or not other.moving:
+                continue
+            rate = self._rate_at(moving[other.src], moving[other.dst])
+            if rate == other.rate:
+                continue
+            left = other.remaining - other.rate * (now - other.since)
             if 0.0 > left:
                 left = 0.0
-            t = left / rate
-            if t < soonest:
-                soonest = t
-        self._timer = after(self.env, soonest, self._on_timer)
+            other.remaining, other.since, other.rate = left, now, rate
+            other.end = now + left / rate
+            if other.end < other.timer_at:  # sped up: its timer would fire late
+                self._arm(other)
 
-    def _on_timer(self, timer: object) -> None:
-        if timer is not self._timer:
-            return  # a flow started or ended since this timer was set
-        self._advance()
-        # a flow is done when what is left would take under a nanosecond (float residue)
-        finished = [f for f in self._flows if f.remaining <= f.rate * 1e-9]
-        for flow in finished:
-            self._flows.remove(flow)
-            self._per_nic[flow.src] -= 1
-            self._per_nic[flow.dst] -= 1
-        if len(finished) == 1:
-            self._reschedule()
-            if nothing_due_now(self.env):
-                finished[0].on_end()  # this timer's last action, where the flow's done event would run
-                return
-            # something is due now (maybe the timer just set): queue the end before a new timer, as
-            # always; the timer just set is superseded (a no-op when it fires)
-            self._queue_end(finished[0])
-            self._reschedule()
+    def _arm(self, flow: _Flow) -> None:
+        flow.timer_at = flow.end
+        flow.timer = _at(self.env, flow.end, lambda timer: self._on_timer(flow, timer))
+
+    def _on_timer(self, flow: _Flow, timer: _Timer) -> None:
+        if timer is not flow.timer:
+            return  # superseded: the flow sped up and an earlier timer was set
+        if not flow.alone and not flow.moving:
+            flow.timer = None  # a shared flow still in its fixed part: its start arms its end
             return
-        for flow in finished:
-            self._queue_end(flow)
-        self._reschedule()
-
-    def _queue_end(self, flow: _Flow) -> None:
-        after(self.env, 0, flow.on_end)  # the queue entry the flow's done event had
+        now = self.env._now
+        if flow.end - now > _DONE_WITHIN_S:
+            self._arm(flow)  # fired early: the flow slowed down after this timer was set
+            return
+        self._on_nic[flow.src].remove(flow)
+        self._on_nic[flow.dst].remove(flow)
+        if flow.moving:
+            self._moving[flow.src] -= 1
+            self._moving[flow.dst] -= 1
+            self._rerate_neighbours(flow)
+        if nothing_due_now(self.env):
+            flow.on_end()  # this timer's last action, where the flow's done event would run
+        else:
+            after(self.env, 0, flow.on_end)  # the queue entry the flow's done event had
