@@ -7,13 +7,15 @@ of each endpoint NIC's usable capacity (line rate x efficiency). P->D and D->P f
 and contend. Rates change only when a flow starts or ends on one of a flow's two NICs (processor
 sharing), so the cost is per transfer, not per byte, and a flow elsewhere costs nothing.
 
-Events: most transfers meet no other on their NICs. A transfer started while no other is on either
-of its NICs is *alone*: its end, ``(start + fixed) + bytes / rate``, is known at once and is its one
-event. It stays alone until another transfer is started on one of its NICs; then both are *shared*:
-a shared flow's start is an event (it may change its neighbours' rates), and each start or end
-re-rates only the moving flows on the two NICs it touches. A flow's timer never fires late: when a
-flow slows down its timer stays and, firing early, moves to the new end; only a speed-up (a
-neighbour's end) sets an earlier timer, leaving the old one to fire as a no-op.
+Events: most transfers meet no other on their NICs. A transfer is *alone* while no other moves on
+its NICs during its own *window* (from the end of its fixed part to ``(start + fixed) + bytes /
+rate``, its end at the rate of a flow alone): then its end is known when it is started and is its one
+event. A transfer whose window meets a neighbour's is *shared*, and so is every alone flow on a
+shared flow's NICs that is not over before that flow moves (a shared flow's end is open). A shared
+flow's start is an event (it may change its neighbours' rates), and each start or end re-rates only
+the moving flows on the two NICs it touches. A flow's timer never fires late: when a flow slows
+down its timer stays and, firing early, moves to the new end; only a speed-up (a neighbour's end)
+sets an earlier timer, leaving the old one to fire as a no-op.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ class _Flow:
         self.moving = False  # a shared flow past its fixed part (counted on its NICs)
 
 
+def _window_meets(flow: _Flow, others: list[_Flow]) -> bool:
+    """Whether one of ``others`` may move during ``flow``'s window (a shared flow's end is open)."""
+    for other in others:
+        if flow.end > other.begins and not (other.alone and other.end <= flow.begins):
+            return True
+    return False
+
+
 class Interconnect:
     def __init__(self, env: simpy.Environment, nic_capacity_bytes_per_s: float, per_transfer_bytes_per_s: float) -> None:
         self.env = env
@@ -84,19 +94,16 @@ class Interconnect:
                 finish()
             return
         flow = _Flow(src, dst, float(nbytes), start + fixed_s, finish)
+        flow.rate = self._alone_rate
+        flow.end = flow.begins + flow.remaining / flow.rate  # if alone: no neighbour moves while it does
         on_src, on_dst = self._on_nic[src], self._on_nic[dst]
-        neighbours = on_src + on_dst
+        alone = not (on_src or on_dst) or not _window_meets(flow, on_src + on_dst)
         on_src.append(flow)
         on_dst.append(flow)
-        if not neighbours:
-            flow.rate = self._alone_rate
-            flow.end = flow.begins + flow.remaining / flow.rate
+        if alone:
             self._arm(flow)
             return
-        flow.alone = False
-        for other in neighbours:
-            if other.alone:
-                self._share(other)
+        self._unalone(flow)
         if fixed_s > 0:
             after(env, fixed_s, lambda _timer: self._begin(flow))
         else:
@@ -106,10 +113,17 @@ class Interconnect:
         share = self.nic_capacity / (at_dst if at_dst > at_src else at_src)
         return share if share < self.per_transfer_cap else self.per_transfer_cap
 
+    def _unalone(self, flow: _Flow) -> None:
+        """``flow`` is shared from now on, its end open: the alone flows on its NICs that are not over
+        before it moves may now meet it, so they are shared too."""
+        flow.alone = False
+        for other in self._on_nic[flow.src] + self._on_nic[flow.dst]:
+            if other.alone and other.end > flow.begins:
+                self._share(other)
+
     def _share(self, flow: _Flow) -> None:
         """An alone flow gets a neighbour: from now on its NICs count it and its rate can change. Its
         end timer stays (no neighbour can make it end sooner than alone)."""
-        flow.alone = False
         if flow.begins <= self.env._now:
             # moving since ``begins`` at the alone rate: ``since``, ``remaining`` and ``end`` say so already
             flow.moving = True
@@ -117,6 +131,7 @@ class Interconnect:
             self._moving[flow.dst] += 1
         else:
             _at(self.env, flow.begins, lambda _timer: self._begin(flow))
+        self._unalone(flow)
 
     def _begin(self, flow: _Flow) -> None:
         """A shared flow's fixed part ends: it moves, and slows the flows it now shares a NIC with."""
