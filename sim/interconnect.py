@@ -40,6 +40,12 @@ def _at(env: simpy.Environment, when: float, callback: Callable[[_Timer], None])
     return timer
 
 
+class _EndTimer(_Timer):
+    """A flow's end timer: it carries its flow, so one bound method serves every flow's timers."""
+
+    __slots__ = ("flow",)
+
+
 class _Flow:
     __slots__ = ("src", "dst", "begins", "remaining", "rate", "since", "end", "timer", "timer_at", "alone",
                  "moving", "on_end")
@@ -51,7 +57,7 @@ class _Flow:
         self.since = begins
         self.rate = 0.0
         self.end = 0.0  # when the bytes are all moved, at today's rate
-        self.timer: _Timer | None = None  # the one of this flow's timers that is not superseded
+        self.timer: _EndTimer | None = None  # the one of this flow's timers that is not superseded
         self.timer_at = 0.0
         self.alone = True  # no other transfer on its NICs since it started: rate and end fixed from the start
         self.moving = False  # a shared flow past its fixed part (counted on its NICs)
@@ -166,10 +172,14 @@ class Interconnect:
                 self._arm(other)
 
     def _arm(self, flow: _Flow) -> None:
+        timer = flow.timer = _EndTimer(self._on_timer)
+        timer.flow = flow
         flow.timer_at = flow.end
-        flow.timer = _at(self.env, flow.end, lambda timer: self._on_timer(flow, timer))
+        env = self.env
+        heapq.heappush(env._queue, (flow.end, NORMAL, next(env._eid), timer))
 
-    def _on_timer(self, flow: _Flow, timer: _Timer) -> None:
+    def _on_timer(self, timer: _EndTimer) -> None:
+        flow = timer.flow
         if timer is not flow.timer:
             return  # superseded: the flow sped up and an earlier timer was set
         if not flow.alone and not flow.moving:
