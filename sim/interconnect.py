@@ -56,10 +56,10 @@ class _Flow:
         self.remaining = nbytes  # bytes left at ``since``
         self.since = begins
         self.rate = 0.0
-        self.end = 0.0  # when the bytes are all moved, at today's rate
+        self.end = 0.0  # when the bytes are all moved, at the current rate
         self.timer: _EndTimer | None = None  # the one of this flow's timers that is not superseded
         self.timer_at = 0.0
-        self.alone = True  # no other transfer on its NICs since it started: rate and end fixed from the start
+        self.alone = True  # no neighbour moves during its window: rate and end fixed from the start
         self.moving = False  # a shared flow past its fixed part (counted on its NICs)
 
 
@@ -91,7 +91,7 @@ class Interconnect:
         def finish(_event: object = None) -> None:
             self.bytes_moved += nbytes
             self.transfers += 1
-            on_done(self.env._now - start)
+            on_done(env._now - start)
 
         if nbytes <= 0:
             if fixed_s > 0:
@@ -111,7 +111,7 @@ class Interconnect:
             return
         self._unalone(flow)
         if fixed_s > 0:
-            after(env, fixed_s, lambda _timer: self._begin(flow))
+            _at(env, flow.begins, lambda _timer: self._begin(flow))
         else:
             self._begin(flow)
 
@@ -128,8 +128,8 @@ class Interconnect:
                 self._share(other)
 
     def _share(self, flow: _Flow) -> None:
-        """An alone flow gets a neighbour: from now on its NICs count it and its rate can change. Its
-        end timer stays (no neighbour can make it end sooner than alone)."""
+        """An alone flow may meet a shared neighbour: from now on its NICs count it and its rate can
+        change. Its end timer stays (no neighbour can make it end sooner than alone)."""
         if flow.begins <= self.env._now:
             # moving since ``begins`` at the alone rate: ``since``, ``remaining`` and ``end`` say so already
             flow.moving = True
@@ -162,7 +162,7 @@ class Interconnect:
                 continue
             rate = self._rate_at(moving[other.src], moving[other.dst])
             if rate == other.rate:
-                continue
+                continue  # the per-transfer cap hides the new count: its end stands
             left = other.remaining - other.rate * (now - other.since)
             if 0.0 > left:
                 left = 0.0
