@@ -113,7 +113,7 @@ class DecodeNode:
         # its steps add (reserved when it formed), its timer, and where a join cut it short
         self._segment: tuple[float, float, int, float, float] = (0.0, 0.0, 0, 0.0, 0.0)
         self._segment_crossings = 0
-        self._segment_timer: object = None
+        self._segment_timer: Any = None  # sim.instant's queue entry
         self._cut_steps = 0
         self._retained_clock = 0.0
         self._run()
@@ -135,16 +135,19 @@ class DecodeNode:
 
     def _advance_retention(self, now: float) -> None:
         """Expire retained entries in expiry order, integrating retained blocks exactly."""
+        retained = self.retained
         while True:
-            nxt = self.retained.next_expiry()
+            nxt = retained.next_expiry()
             if nxt is None or nxt > now:
                 break
             self._integrate_retained(nxt)
-            for key, blocks in self.retained.pop_expired(nxt):
+            for key, blocks in retained.pop_expired(nxt):
                 tokens, revision, _, turn = self._retained_meta.pop(key)
                 self._fate[key] = "expired"
                 self._to_cache(key, tokens, revision, blocks, turn)
-        self._integrate_retained(now)
+        if now > self._retained_clock:  # _integrate_retained(now), inline: a few times per turn
+            self.totals.retained_block_seconds += retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
 
     def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int, turn: int) -> None:
         if not self.prefix_caching:
@@ -232,7 +235,8 @@ class DecodeNode:
         self.reading_blocks -= blocks
         self._fate[key] = "read"
         self._to_cache(key, tokens, revision, blocks, turn)
-        self._released()
+        if self._waiting_blocks:
+            self._released()
 
     def renew(self, key: Any, now: float) -> float | None:
         """A client heartbeat reached D: extend the retention if the policy says so."""
@@ -269,7 +273,9 @@ class DecodeNode:
             self._released()
             on_done()
             return
-        if self._make_room(needed, env._now) and not self._waiting_blocks:
+        free = self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                                + self.cached_blocks)
+        if (needed <= free or self._make_room(needed, env._now)) and not self._waiting_blocks:
             self.arriving_blocks += needed
             self._admitted(rec, key, revision, p_name, needed + hit_blocks, hit_tokens, arrived_at, on_done)
         else:
@@ -295,7 +301,7 @@ class DecodeNode:
                 rec.p2d_transfer_s = elapsed
                 self._join(seq)
 
-            fixed = profile.handoff_fixed_s(profile.blocks_for(rec.p2d_tokens))
+            fixed = profile.handoff_fixed_s(-(-rec.p2d_tokens // self._bs))
             self.interconnect.start(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed, arrived)
         else:
             self._join(seq)
@@ -315,12 +321,12 @@ class DecodeNode:
 
     def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
                     turn: int = 0) -> tuple[int, int]:
-        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the prompt."""
+        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the
+        prompt. Called right after ``_advance_retention(now)``."""
         tokens = blocks = 0
         held_turn = turn
         meta = self._retained_meta.get(key)
-        if meta is not None and meta[1] == revision:
-            self._integrate_retained(self.env._now)
+        if meta is not None and meta[1] == revision:  # the retained clock is at now: serve advanced it
             blocks = self.retained.discard(key)
             tokens, held_turn = meta[0], meta[3]
             del self._retained_meta[key]
@@ -396,6 +402,11 @@ class DecodeNode:
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
             self._armed = self._on_segment_wake
+            stale = self._segment_timer
+            if stale is not None and stale.callbacks is not None:
+                # a join cut its segment short: it would fire as a no-op (not this segment's timer), so
+                # it fires with no callback at all
+                stale.callbacks = []
             self._segment_timer = after(env, segment_s, self._on_segment_timer)
             return
 
@@ -436,8 +447,8 @@ class DecodeNode:
         context's blocks: a sequence adds one at each step that takes its context past a multiple of the
         block size, i.e. within e < bs steps exactly when its context modulo bs is 0 or above bs - e."""
         bs = self._bs
-        laps, e = divmod(j, bs)
-        crossings = laps * len(self.running)
+        e = j % bs
+        crossings = j // bs * len(self.running)
         if e:
             lo = (1 - e - self._steps) % bs  # those residues of the context, as residues of the base
             crossings += sum(self._by_phase[lo:lo + e])
@@ -588,5 +599,6 @@ class DecodeNode:
                 deferred = seq.on_done
             else:
                 after(self.env, 0, lambda _event, s=seq: s.on_done())  # queued as a done event would be
-        self._released()
+        if self._waiting_blocks:
+            self._released()
         return deferred
