@@ -116,6 +116,9 @@ class DecodeNode:
         self._segment_timer: Any = None  # sim.instant's queue entry
         self._cut_steps = 0
         self._retained_clock = 0.0
+        # at or before every retained expiry (the earliest, unless that holder left since): until then
+        # nothing can expire and _advance_retention need not ask the pool
+        self._expiry_bound = math.inf
         self._run()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -136,9 +139,10 @@ class DecodeNode:
     def _advance_retention(self, now: float) -> None:
         """Expire retained entries in expiry order, integrating retained blocks exactly."""
         retained = self.retained
-        while True:
+        while now >= self._expiry_bound:
             nxt = retained.next_expiry()
             if nxt is None or nxt > now:
+                self._expiry_bound = math.inf if nxt is None else nxt
                 break
             self._integrate_retained(nxt)
             for key, blocks in retained.pop_expired(nxt):
@@ -171,6 +175,8 @@ class DecodeNode:
     def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
         self._integrate_retained(now)
         self.retained.add(key, blocks, expires_at)
+        if expires_at < self._expiry_bound:
+            self._expiry_bound = expires_at
         self._retained_meta[key] = (tokens, revision, now, 0)  # the caller names the turn held
         self._fate.pop(key, None)
         self.totals.peak_retained_blocks = max(self.totals.peak_retained_blocks, self.retained.blocks)
@@ -249,6 +255,8 @@ class DecodeNode:
         if renewed != current:
             self._integrate_retained(now)
             self.retained.add(key, self.retained.discard(key), renewed)
+            if renewed < self._expiry_bound:
+                self._expiry_bound = renewed
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------
@@ -398,7 +406,7 @@ class DecodeNode:
             context = self._base_sum + batch * steps
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
-            segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _steps_within counts it
+            segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
             self._armed = self._on_segment_wake
@@ -472,11 +480,20 @@ class DecodeNode:
     def _on_segment_wake(self, _event: object) -> None:
         now = self.env._now
         start, segment_s, k, step0, slope = self._segment
-        if now - start < segment_s:
-            # a sequence is waiting to join: run to the end of the step in progress
-            j = self._steps_within(now - start, step0, slope, k)
+        t = now - start
+        if t < segment_s:
+            # a sequence is waiting to join: run to the end of the step in progress, the first whose
+            # elapsed(j) = j * step0 + slope * j (j - 1) / 2 exceeds t (the closed form's root, then exact)
+            if slope <= 1e-15:
+                j = int(t // step0) if step0 > 0 else k
+            else:
+                a, b = slope / 2, step0 - slope / 2
+                j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
+            j = max(0, min(j, k))
+            while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
+                j -= 1  # whole steps completed within t
             j = min(j + 1, k)
-            rest = (j * step0 + slope * j * (j - 1) / 2) - (now - start)
+            rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
                 self._cut_steps = j
                 after(self.env, rest, self._on_cut)
@@ -501,19 +518,6 @@ class DecodeNode:
         self._run()
         if deferred is not None:
             deferred()
-
-    @staticmethod
-    def _steps_within(t: float, step0: float, slope: float, k: int) -> int:
-        """Whole steps completed within ``t`` seconds of the segment start."""
-        if slope <= 1e-15:
-            j = int(t // step0) if step0 > 0 else k
-        else:
-            a, b = slope / 2, step0 - slope / 2
-            j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
-        j = max(0, min(j, k))
-        while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
-            j -= 1
-        return j
 
     def _steps_that_fit(self, k: int, now: float) -> int:
         """Largest j <= k whose block growth fits (after freeing cache/retained blocks)."""
