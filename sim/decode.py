@@ -495,9 +495,14 @@ class DecodeNode:
             j = min(j + 1, k)
             rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
-                self._cut_steps = j
-                after(self.env, rest, self._on_cut)
-                return
+                queue = self.env._queue
+                # a rest that rounds away on the clock (the segment's own timer, with t a rounding short
+                # of segment_s) while nothing else is due now ends the segment here, where its timer's
+                # entry would be processed next (sim.instant)
+                if now + rest > now or (queue and queue[0][0] <= now):
+                    self._cut_steps = j
+                    after(self.env, rest, self._on_cut)
+                    return
             self._end_segment(j, j == k)
             return
         self._end_segment(k, True)
