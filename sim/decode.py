@@ -173,7 +173,8 @@ class DecodeNode:
             totals.peak_used_blocks = used
 
     def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
-        self._integrate_retained(now)
+        """Retain a finished turn's blocks; called right after ``_advance_retention(now)``, so the retained
+        blocks are integrated up to now."""
         self.retained.add(key, blocks, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
@@ -596,7 +597,7 @@ class DecodeNode:
                 expires_at = self.retention_expiry(seq.key, now)
                 if expires_at > now:
                     self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
-                    self._retained_meta[seq.key] = self._retained_meta[seq.key][:3] + (seq.rec.turn,)
+                    self._retained_meta[seq.key] = (seq.context, seq.revision, now, seq.rec.turn)  # the turn held
                 else:
                     expires_at = None
                     self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
