@@ -468,7 +468,7 @@ class DecodeNode:
 
     def _on_segment_timer(self, timer: object) -> None:
         """The segment's timer: wakes the loop unless a joining sequence already did (then the wake is
-        triggered, gone, or a later segment's, with a later timer)."""
+        triggered or gone; once a later segment forms, this timer has no callback left)."""
         armed = self._armed
         if timer is self._segment_timer and armed is not None:
             self._armed = None
@@ -483,8 +483,9 @@ class DecodeNode:
         start, segment_s, k, step0, slope = self._segment
         t = now - start
         if t < segment_s:
-            # a sequence is waiting to join: run to the end of the step in progress, the first whose
-            # elapsed(j) = j * step0 + slope * j (j - 1) / 2 exceeds t (the closed form's root, then exact)
+            # a sequence is waiting to join (or the timer fired a rounding short of segment_s): run to the
+            # end of the step in progress, the first whose elapsed(j) = j * step0 + slope * j (j - 1) / 2
+            # exceeds t (the closed form's root, then exact)
             if slope <= 1e-15:
                 j = int(t // step0) if step0 > 0 else k
             else:
