@@ -110,11 +110,12 @@ class DecodeNode:
         self._by_phase = [0] * (2 * bs)  # running sequences by base % bs, twice over: a cyclic range is one slice
         self._unstepped_extra = 0  # blocks sequences joined since the last segment hold beyond their context's
         # the segment in progress: (start, duration, steps, first step's time, growth per step), the blocks
-        # its steps add (reserved when it formed), its timer, and where a join cut it short
+        # its steps add (reserved when it formed), its timer, and the steps it ends after (fewer if a join
+        # cut it short)
         self._segment: tuple[float, float, int, float, float] = (0.0, 0.0, 0, 0.0, 0.0)
         self._segment_crossings = 0
         self._segment_timer: Any = None  # sim.instant's queue entry
-        self._cut_steps = 0
+        self._end_steps = 0
         self._retained_clock = 0.0
         # at or before every retained expiry (the earliest, unless that holder left since): until then
         # nothing can expire and _advance_retention need not ask the pool
@@ -494,7 +495,7 @@ class DecodeNode:
             j = max(0, min(j, k))
             while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
                 j -= 1  # whole steps completed within t
-            j = min(j + 1, k)
+            j = self._end_steps = min(j + 1, k)
             rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
                 queue = self.env._queue
@@ -502,21 +503,18 @@ class DecodeNode:
                 # of segment_s) while nothing else is due now ends the segment here, where its timer's
                 # entry would be processed next (sim.instant)
                 if now + rest > now or (queue and queue[0][0] <= now):
-                    self._cut_steps = j
-                    after(self.env, rest, self._on_cut)
+                    after(self.env, rest, self._end_segment)
                     return
-            self._end_segment(j, j == k)
-            return
-        self._end_segment(k, True)
+        else:
+            self._end_steps = k
+        self._end_segment(None)
 
-    def _on_cut(self, _timer: object) -> None:
-        j = self._cut_steps
-        self._end_segment(j, j == self._segment[2])
-
-    def _end_segment(self, k: int, as_reserved: bool) -> None:
-        """The running batch took ``k`` steps, all it reserved blocks for if ``as_reserved`` (else it
-        returns the blocks of the steps it did not take). Called last in an event's callbacks (sim.instant)."""
-        if not as_reserved:
+    def _end_segment(self, _timer: object) -> None:
+        """The running batch took ``_end_steps`` steps of its segment: all of them (it holds just the blocks
+        it reserved), or fewer (it returns the blocks of the steps it did not take). Called last in an
+        event's callbacks (sim.instant)."""
+        k = self._end_steps
+        if k != self._segment[2]:
             self.running_blocks -= self._segment_crossings - self._crossings(k)
         self._steps += k
         deferred = None
