@@ -16,18 +16,26 @@ refused on revision: P verified the token ids of what it pulls (impl.policy.pref
 Decode advances one segment at a time: between events the batch is fixed, so k steps cost
 ``k * step(B, C) + slope * k (k - 1) / 2`` in closed form (context grows by B tokens a step), and no
 per-token event exists. Joining sequences wait for the next step boundary.
+
+Forming or ending a segment touches no sequence: the node counts the steps its batch has taken, and a
+running sequence's context is where it joined plus the steps since. The batch's total context, the
+step at which its next sequence finishes (a heap) and the blocks its next j steps add (sequences
+counted by their context modulo the block size) are kept as running figures, updated only when a
+sequence joins or leaves. Between segments every running sequence holds exactly its context's blocks,
+except one that rejoined after preemption with a block to spare, until its first step.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
 from impl.policy import RetainedPool
-from sim.instant import after, nothing_due_now, succeed_now
+from sim.instant import after
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
 
@@ -37,13 +45,21 @@ if TYPE_CHECKING:
 
 
 class _Seq:
-    __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "joined_at")
+    """A turn on D. ``context``, ``remaining`` and ``blocks`` hold while it is not running (joining,
+    waiting for blocks, finished); while it runs they follow from the node's step counter: context is
+    ``base`` + steps taken, and it is done at step ``done_step``."""
+
+    __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "order", "base",
+                 "join_step", "done_step")
 
     def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
                  on_done: Callable[[], None]) -> None:
         self.rec, self.key, self.revision = rec, key, revision
         self.context, self.remaining, self.blocks, self.on_done = context, remaining, blocks, on_done
-        self.joined_at = -1.0
+
+
+def _join_order(seq: _Seq) -> int:
+    return seq.order
 
 
 class DecodeNode:
@@ -63,10 +79,9 @@ class DecodeNode:
         self.interconnect = interconnect
         self.on_finish = on_finish
         self.totals = NodeTotals()
-        bs = profile.block_size
-        self._blocks_for = lambda tokens: -(-tokens // bs)
+        bs = self._bs = profile.block_size
         # block states
-        self.running: list[_Seq] = []
+        self.running: dict[int, _Seq] = {}  # join order -> sequence, oldest first
         self.running_blocks = 0
         self.arriving_blocks = 0
         # the router's: this node adds itself when what placement reads changes (the running sequences,
@@ -84,11 +99,27 @@ class DecodeNode:
         # queues
         self._joining: collections.deque[_Seq] = collections.deque()
         self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
-        self._wake: simpy.Event | None = None
-        # the segment in progress: (start, duration, steps, first step's time, growth per step) and its timer
+        # what a wake runs (a joining sequence, or the segment's timer), None once triggered or while a
+        # segment runs to its next step boundary: where a simpy event would stand triggered or not
+        self._armed: Callable[[Any], None] | None = None
+        # the running figures (see the module docstring)
+        self._joins = 0  # sequences joined so far: the next one's join order
+        self._steps = 0  # decode steps the batch has taken
+        self._base_sum = 0  # the running sequences' bases: the batch's context is this + batch * steps
+        self._done_at: list[tuple[int, int]] = []  # heap of (done step, join order); a preempted one's is stale
+        self._by_phase = [0] * (2 * bs)  # running sequences by base % bs, twice over: a cyclic range is one slice
+        self._unstepped_extra = 0  # blocks sequences joined since the last segment hold beyond their context's
+        # the segment in progress: (start, duration, steps, first step's time, growth per step), the blocks
+        # its steps add (reserved when it formed), its timer, and the steps it ends after (fewer if a join
+        # cut it short)
         self._segment: tuple[float, float, int, float, float] = (0.0, 0.0, 0, 0.0, 0.0)
-        self._segment_timer: object = None
+        self._segment_crossings = 0
+        self._segment_timer: Any = None  # sim.instant's queue entry
+        self._end_steps = 0
         self._retained_clock = 0.0
+        # at or before every retained expiry (the earliest, unless that holder left since): until then
+        # nothing can expire and _advance_retention need not ask the pool
+        self._expiry_bound = math.inf
         self._run()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -108,16 +139,20 @@ class DecodeNode:
 
     def _advance_retention(self, now: float) -> None:
         """Expire retained entries in expiry order, integrating retained blocks exactly."""
-        while True:
-            nxt = self.retained.next_expiry()
+        retained = self.retained
+        while now >= self._expiry_bound:
+            nxt = retained.next_expiry()
             if nxt is None or nxt > now:
+                self._expiry_bound = math.inf if nxt is None else nxt
                 break
             self._integrate_retained(nxt)
-            for key, blocks in self.retained.pop_expired(nxt):
+            for key, blocks in retained.pop_expired(nxt):
                 tokens, revision, _, turn = self._retained_meta.pop(key)
                 self._fate[key] = "expired"
                 self._to_cache(key, tokens, revision, blocks, turn)
-        self._integrate_retained(now)
+        if now > self._retained_clock:  # _integrate_retained(now), inline: a few times per turn
+            self.totals.retained_block_seconds += retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
 
     def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int, turn: int) -> None:
         if not self.prefix_caching:
@@ -139,8 +174,11 @@ class DecodeNode:
             totals.peak_used_blocks = used
 
     def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
-        self._integrate_retained(now)
+        """Retain a finished turn's blocks; called right after ``_advance_retention(now)``, so the retained
+        blocks are integrated up to now."""
         self.retained.add(key, blocks, expires_at)
+        if expires_at < self._expiry_bound:
+            self._expiry_bound = expires_at
         self._retained_meta[key] = (tokens, revision, now, 0)  # the caller names the turn held
         self._fate.pop(key, None)
         self.totals.peak_retained_blocks = max(self.totals.peak_retained_blocks, self.retained.blocks)
@@ -205,7 +243,8 @@ class DecodeNode:
         self.reading_blocks -= blocks
         self._fate[key] = "read"
         self._to_cache(key, tokens, revision, blocks, turn)
-        self._released()
+        if self._waiting_blocks:
+            self._released()
 
     def renew(self, key: Any, now: float) -> float | None:
         """A client heartbeat reached D: extend the retention if the policy says so."""
@@ -218,6 +257,8 @@ class DecodeNode:
         if renewed != current:
             self._integrate_retained(now)
             self.retained.add(key, self.retained.discard(key), renewed)
+            if renewed < self._expiry_bound:
+                self._expiry_bound = renewed
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------
@@ -233,7 +274,7 @@ class DecodeNode:
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
         self.load_dirty.add(self)
-        needed = self._blocks_for(n) - hit_blocks
+        needed = -(-n // self._bs) - hit_blocks
         arrived_at = env._now
         if needed + hit_blocks > self.capacity:
             self.arriving_blocks -= hit_blocks
@@ -242,7 +283,9 @@ class DecodeNode:
             self._released()
             on_done()
             return
-        if self._make_room(needed, env._now) and not self._waiting_blocks:
+        free = self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                                + self.cached_blocks)
+        if (needed <= free or self._make_room(needed, env._now)) and not self._waiting_blocks:
             self.arriving_blocks += needed
             self._admitted(rec, key, revision, p_name, needed + hit_blocks, hit_tokens, arrived_at, on_done)
         else:
@@ -268,7 +311,7 @@ class DecodeNode:
                 rec.p2d_transfer_s = elapsed
                 self._join(seq)
 
-            fixed = profile.handoff_fixed_s(profile.blocks_for(rec.p2d_tokens))
+            fixed = profile.handoff_fixed_s(-(-rec.p2d_tokens // self._bs))
             self.interconnect.start(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed, arrived)
         else:
             self._join(seq)
@@ -277,17 +320,23 @@ class DecodeNode:
         """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
         prefill through the router), so the wake may be processed on the spot (sim.instant)."""
         self._joining.append(seq)
-        if self._wake is not None and not self._wake.triggered:
-            succeed_now(self.env, self._wake)
+        armed = self._armed
+        if armed is not None:
+            self._armed = None
+            queue = self.env._queue
+            if not queue or queue[0][0] > self.env._now:
+                armed(None)  # sim.instant.succeed_now's case: nothing else is due now
+            else:
+                after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
 
     def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
                     turn: int = 0) -> tuple[int, int]:
-        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the prompt."""
+        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the
+        prompt. Called right after ``_advance_retention(now)``."""
         tokens = blocks = 0
         held_turn = turn
         meta = self._retained_meta.get(key)
-        if meta is not None and meta[1] == revision:
-            self._integrate_retained(self.env._now)
+        if meta is not None and meta[1] == revision:  # the retained clock is at now: serve advanced it
             blocks = self.retained.discard(key)
             tokens, held_turn = meta[0], meta[3]
             del self._retained_meta[key]
@@ -305,7 +354,7 @@ class DecodeNode:
         # vLLM reuses whole blocks and computes at least the last prompt token
         usable = min(tokens, prompt_tokens - 1) // self.profile.block_size * self.profile.block_size
         # blocks beyond the usable prefix are simply not kept: they return to the free pool
-        return usable, min(self._blocks_for(usable), blocks)
+        return usable, min(-(-usable // self._bs), blocks)
 
     # -- the engine loop -------------------------------------------------------------------------
     # Callbacks rather than a process: the loop is woken by a joining sequence or a segment's timer and
@@ -313,140 +362,175 @@ class DecodeNode:
     def _run(self) -> None:
         """Start the next segment, or wait idle for a sequence to join."""
         env, profile = self.env, self.profile
-        bs = profile.block_size
+        running, joining = self.running, self._joining
         # everything that changes the running sequences or their blocks (joins, growth, a segment's end,
         # finishes, preemption) runs in here or just before it, before any placement can read them
         self.load_dirty.add(self)
         while True:
-            if not self.running and not self._joining:
-                self._wake = env.event()
-                self._wake.callbacks.append(self._on_idle_wake)
+            if not running and not joining:
+                self._armed = self._on_idle_wake
                 return
             now = env._now
+            steps = self._steps
             joined_done = False  # only a sequence joining now can be done here: the rest ran a step since
-            while self._joining and len(self.running) < self.max_num_seqs:
-                seq = self._joining.popleft()
+            while joining and len(running) < self.max_num_seqs:
+                seq = joining.popleft()
                 self.arriving_blocks -= seq.blocks
                 self.running_blocks += seq.blocks
-                seq.joined_at = now
+                self._enter(seq, steps)
                 rec = seq.rec
                 rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
-                self.running.append(seq)
                 if seq.remaining <= 0:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
-            if not self.running:
+            if not running:
                 continue
-            running = self.running
-            batch = len(running)
-            context = 0
-            k = running[0].remaining
-            for s in running:
-                context += s.context
-                if s.remaining < k:
-                    k = s.remaining
-            growth = self._growth(k)
-            if growth > self.free_blocks and not self._make_room(growth, now):
+            done_at = self._done_at
+            while done_at[0][1] not in running:  # a preempted sequence's entry
+                heapq.heappop(done_at)
+            k = done_at[0][0] - steps
+            growth = self._crossings(k) - self._unstepped_extra
+            if growth > self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks
+                                         + self.reading_blocks + self.cached_blocks) and not self._make_room(growth, now):
                 k = self._steps_that_fit(k, now)
                 if k == 0:
                     self._preempt_newest(now)
                     continue
-                growth = self._growth(k)
+                growth = self._crossings(k) - self._unstepped_extra
             # reserve the segment's growth now, so admissions during the segment cannot take it: each
             # sequence holds the blocks it has after k more steps
-            for s in running:
-                s.blocks = -(-(s.context + k) // bs)
+            self._segment_crossings = growth + self._unstepped_extra
+            self._unstepped_extra = 0
             self.running_blocks += growth
             self._check()
+            batch = len(running)
+            context = self._base_sum + batch * steps
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
-            segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _steps_within counts it
-            # one wake event serves both ends of the wait: the segment's timer or a joining sequence
+            segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
+            # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
-            self._wake = env.event()
-            self._wake.callbacks.append(self._on_segment_wake)
+            self._armed = self._on_segment_wake
+            stale = self._segment_timer
+            if stale is not None and stale.callbacks is not None:
+                # a join cut its segment short: it would fire as a no-op (not this segment's timer), so
+                # it fires with no callback at all
+                stale.callbacks = []
             self._segment_timer = after(env, segment_s, self._on_segment_timer)
             return
 
-    def _on_idle_wake(self, _event: simpy.Event) -> None:
-        self._wake = None
+    def _enter(self, seq: _Seq, steps: int) -> None:
+        """``seq`` joins the running batch now, after ``steps`` steps: into the running figures."""
+        seq.order = order = self._joins
+        self._joins += 1
+        self.running[order] = seq
+        seq.join_step = steps
+        seq.base = base = seq.context - steps
+        seq.done_step = done = steps + seq.remaining
+        heapq.heappush(self._done_at, (done, order))
+        self._base_sum += base
+        bs = self._bs
+        phase = base % bs
+        self._by_phase[phase] += 1
+        self._by_phase[phase + bs] += 1
+        # a preempted sequence rejoins with room for one more token: a block to spare at a block's end
+        self._unstepped_extra += seq.blocks + (-seq.context // bs)
+
+    def _leave(self, seq: _Seq) -> None:
+        """``seq`` (already out of ``running``) leaves the batch: its context, remaining steps and blocks
+        from the running figures, and out of them."""
+        steps, bs = self._steps, self._bs
+        seq.context = context = seq.base + steps
+        seq.remaining = seq.done_step - steps
+        if steps != seq.join_step:
+            seq.blocks = -(-context // bs)  # what every segment's end leaves a sequence holding
+        else:  # it never took a step: it holds what it joined with
+            self._unstepped_extra -= seq.blocks + (-context // bs)
+        self._base_sum -= seq.base
+        phase = seq.base % bs
+        self._by_phase[phase] -= 1
+        self._by_phase[phase + bs] -= 1
+
+    def _crossings(self, j: int) -> int:
+        """Blocks the running batch adds over its next ``j`` steps if each sequence holds exactly its
+        context's blocks: a sequence adds one at each step that takes its context past a multiple of the
+        block size, i.e. within e < bs steps exactly when its context modulo bs is 0 or above bs - e."""
+        bs = self._bs
+        e = j % bs
+        crossings = j // bs * len(self.running)
+        if e:
+            lo = (1 - e - self._steps) % bs  # those residues of the context, as residues of the base
+            crossings += sum(self._by_phase[lo:lo + e])
+        return crossings
+
+    def _on_idle_wake(self, _event: object) -> None:
         self._run()
 
     def _on_segment_timer(self, timer: object) -> None:
         """The segment's timer: wakes the loop unless a joining sequence already did (then the wake is
-        triggered, gone, or a later segment's, with a later timer)."""
-        wake = self._wake
-        if timer is self._segment_timer and wake is not None and not wake.triggered:
-            succeed_now(self.env, wake)
+        triggered or gone; once a later segment forms, this timer has no callback left)."""
+        armed = self._armed
+        if timer is self._segment_timer and armed is not None:
+            self._armed = None
+            queue = self.env._queue
+            if not queue or queue[0][0] > self.env._now:
+                armed(None)
+            else:
+                after(self.env, 0, armed)
 
-    def _on_segment_wake(self, _event: simpy.Event) -> None:
-        env = self.env
+    def _on_segment_wake(self, _event: object) -> None:
+        now = self.env._now
         start, segment_s, k, step0, slope = self._segment
-        self._wake = None
-        if env._now - start < segment_s:
-            # a sequence is waiting to join: run to the end of the step in progress
-            j = self._steps_within(env._now - start, step0, slope, k)
-            j = min(j + 1, k)
-            rest = (j * step0 + slope * j * (j - 1) / 2) - (env._now - start)
+        t = now - start
+        if t < segment_s:
+            # a sequence is waiting to join (or the timer fired a rounding short of segment_s): run to the
+            # end of the step in progress, the first whose elapsed(j) = j * step0 + slope * j (j - 1) / 2
+            # exceeds t (the closed form's root, then exact)
+            if slope <= 1e-15:
+                j = int(t // step0) if step0 > 0 else k
+            else:
+                a, b = slope / 2, step0 - slope / 2
+                j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
+            j = max(0, min(j, k))
+            while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
+                j -= 1  # whole steps completed within t
+            j = self._end_steps = min(j + 1, k)
+            rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
-                after(env, rest, lambda _e: self._end_segment(j, j == k))
-                return
-            self._end_segment(j, j == k)
-            return
-        self._end_segment(k, True)
-
-    def _end_segment(self, k: int, as_reserved: bool) -> None:
-        """The running batch took ``k`` steps, all it reserved blocks for if ``as_reserved`` (then every
-        sequence holds exactly its blocks already). Called last in an event's callbacks (sim.instant)."""
-        finished = False
-        if as_reserved:
-            for s in self.running:
-                s.context += k
-                s.remaining -= k
-                if s.remaining <= 0:
-                    finished = True
+                queue = self.env._queue
+                # a rest that rounds away on the clock (the segment's own timer, with t a rounding short
+                # of segment_s) while nothing else is due now ends the segment here, where its timer's
+                # entry would be processed next (sim.instant)
+                if now + rest > now or (queue and queue[0][0] <= now):
+                    after(self.env, rest, self._end_segment)
+                    return
         else:
-            bs = self.profile.block_size
-            freed = 0
-            for s in self.running:
-                s.context += k
-                s.remaining -= k
-                new_blocks = -(-s.context // bs)
-                freed += s.blocks - new_blocks
-                s.blocks = new_blocks
-                if s.remaining <= 0:
-                    finished = True
-            self.running_blocks -= freed
-        deferred = self._finish_done(self.env._now, defer=True) if finished else None
+            self._end_steps = k
+        self._end_segment(None)
+
+    def _end_segment(self, _timer: object) -> None:
+        """The running batch took ``_end_steps`` steps of its segment: all of them (it holds just the blocks
+        it reserved), or fewer (it returns the blocks of the steps it did not take). Called last in an
+        event's callbacks (sim.instant)."""
+        k = self._end_steps
+        if k != self._segment[2]:
+            self.running_blocks -= self._segment_crossings - self._crossings(k)
+        self._steps += k
+        deferred = None
+        if self._done_at[0][0] <= self._steps:
+            deferred = self._finish_done(self.env._now, defer=True)
         self._run()
         if deferred is not None:
             deferred()
 
-    @staticmethod
-    def _steps_within(t: float, step0: float, slope: float, k: int) -> int:
-        """Whole steps completed within ``t`` seconds of the segment start."""
-        if slope <= 1e-15:
-            j = int(t // step0) if step0 > 0 else k
-        else:
-            a, b = slope / 2, step0 - slope / 2
-            j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
-        j = max(0, min(j, k))
-        while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
-            j -= 1
-        return j
-
-    def _growth(self, j: int) -> int:
-        """Blocks the running batch needs beyond what it holds to take ``j`` more steps."""
-        bs = self.profile.block_size
-        total = 0
-        for s in self.running:
-            total += -(-(s.context + j) // bs) - s.blocks
-        return total
-
     def _steps_that_fit(self, k: int, now: float) -> int:
         """Largest j <= k whose block growth fits (after freeing cache/retained blocks)."""
-        growth = self._growth
+        extra = self._unstepped_extra
+
+        def growth(j: int) -> int:
+            return self._crossings(j) - extra
+
         if growth(k) <= self.free_blocks or self._make_room(growth(k), now):
             return k
         lo, hi = 0, k  # growth is monotone in j
@@ -461,12 +545,13 @@ class DecodeNode:
     def _preempt_newest(self, now: float) -> None:
         """The running batch cannot grow even one step: drop the newest sequence's blocks and
         re-queue it (vLLM recompute preemption; it re-pulls from P, which we count, not model further)."""
-        seq = self.running.pop()
+        _, seq = self.running.popitem()
+        self._leave(seq)
         self.running_blocks -= seq.blocks
         seq.rec.preempted += 1
         self.totals.preemptions += 1
         # it comes back only with room to take at least one more step, or it would livelock
-        needed = self._blocks_for(seq.context + 1)
+        needed = -(-(seq.context + 1) // self._bs)
         if needed > self.capacity:
             seq.rec.rejected = "sequence outgrew the decode instance's KV capacity"
             self.totals.rejected += 1
@@ -481,20 +566,29 @@ class DecodeNode:
 
     def _rejoin(self, seq: _Seq) -> None:
         self._joining.append(seq)
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+        armed = self._armed
+        if armed is not None:
+            self._armed = None
+            after(self.env, 0, armed)  # queued, as the wake event's succeed() was
 
     def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
         """Finish every sequence that is done. With ``defer``, a single finished sequence whose done
         event would be the next one processed (nothing else due now) is returned instead of queued:
         the caller processes it after everything it still does at this instant (sim.instant)."""
-        finished = [s for s in self.running if s.remaining <= 0]
+        steps, done_at, running = self._steps, self._done_at, self.running
+        finished = []
+        while done_at and done_at[0][0] <= steps:
+            seq = running.pop(heapq.heappop(done_at)[1], None)
+            if seq is not None:  # else preempted since
+                finished.append(seq)
         if not finished:
             return None
-        self.running = [s for s in self.running if s.remaining > 0]
+        if len(finished) > 1:
+            finished.sort(key=_join_order)  # in the batch's order, oldest first
         deferred = None
         self._advance_retention(now)
         for seq in finished:
+            self._leave(seq)
             self.running_blocks -= seq.blocks
             seq.rec.completion_s = now
             expires_at = None
@@ -502,16 +596,18 @@ class DecodeNode:
                 expires_at = self.retention_expiry(seq.key, now)
                 if expires_at > now:
                     self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
-                    self._retained_meta[seq.key] = self._retained_meta[seq.key][:3] + (seq.rec.turn,)
+                    self._retained_meta[seq.key] = (seq.context, seq.revision, now, seq.rec.turn)  # the turn held
                 else:
                     expires_at = None
                     self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             else:
                 self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
             self.on_finish(self, seq, expires_at)
-            if defer and len(finished) == 1 and nothing_due_now(self.env):
+            queue = self.env._queue
+            if defer and len(finished) == 1 and (not queue or queue[0][0] > now):
                 deferred = seq.on_done
             else:
                 after(self.env, 0, lambda _event, s=seq: s.on_done())  # queued as a done event would be
-        self._released()
+        if self._waiting_blocks:
+            self._released()
         return deferred
