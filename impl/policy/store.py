@@ -159,8 +159,11 @@ class ConversationStore:
         # An entry grows with D's remote_block_ids (~80 KB at 2,000 blocks), so a bound in entries
         # alone is no memory bound: both hold, LRU eviction serves whichever is exceeded.
         self.max_bytes = max_bytes
-        self.bytes = 0  # sum of entry_bytes over the live entries
+        self._bytes = 0  # entry_bytes summed over the live entries in _sizes
         self._sizes: dict[Key, int] = {}
+        # Without a byte bound nothing needs an entry's size when it is stored, only a reader of
+        # ``bytes``: live entries are sized then, so one replaced before anyone looks is never sized.
+        self._unsized: dict[Key, None] = {}
         if not (expiry_margin_s >= 0 and math.isfinite(expiry_margin_s)):
             raise ValueError(f"expiry_margin_s must be a finite number >= 0, got {expiry_margin_s}")
         if not (bucket_s > 0 and math.isfinite(bucket_s)):
@@ -179,6 +182,16 @@ class ConversationStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        """entry_bytes summed over the live entries (what ``max_bytes`` bounds)."""
+        if self._unsized:
+            for key in self._unsized:
+                size = self._sizes[key] = entry_bytes(key, self._entries[key])
+                self._bytes += size
+            self._unsized.clear()
+        return self._bytes
 
     def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
         self.purge(now)
@@ -221,8 +234,11 @@ class ConversationStore:
         entries[key] = entry
         bucket_index = self._bucket_of[key] = self._bucket(until)
         self._wheel.setdefault(bucket_index, {})[key] = entry
-        size = self._sizes[key] = entry_bytes(key, entry)
-        self.bytes += size
+        if self.max_bytes is None:
+            self._unsized[key] = None
+        else:
+            size = self._sizes[key] = entry_bytes(key, entry)
+            self._bytes += size
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes
                                                         and self._entries):
             old_key = next(iter(self._entries))
@@ -255,7 +271,8 @@ class ConversationStore:
 
     def _unbook(self, key: Key) -> None:
         """Take a live entry's bytes and wheel slot off the books (it is leaving or being replaced)."""
-        self.bytes -= self._sizes.pop(key, 0)
+        self._bytes -= self._sizes.pop(key, 0)
+        self._unsized.pop(key, None)
         bucket_index = self._bucket_of.pop(key)
         bucket = self._wheel[bucket_index]
         del bucket[key]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from impl.policy import ConversationEntry, ConversationStore, ItemsPrompt, MissReason, sequence_digest
@@ -269,6 +269,26 @@ def test_a_next_turn_replaces_in_place_of_recency_and_keeps_the_tenant_count():
     assert store.lookup("u", "a", ItemsPrompt([1, 2]), now=4.0).miss is MissReason.TENANT
     store.forget("t", "a")
     assert store.lookup("u", "a", ItemsPrompt([1, 2]), now=4.0).miss is MissReason.UNKNOWN
+
+
+@settings(max_examples=200)
+@given(ops=st.lists(st.tuples(st.sampled_from(["record", "forget", "bytes"]), st.sampled_from(CONVS),
+                              st.integers(0, 40), st.integers(1, 12)), max_size=40))
+def test_a_store_without_a_byte_bound_counts_the_bytes_a_bounded_one_does(ops):
+    """The unbounded store sizes entries only when ``bytes`` is read; what it reports is what a store
+    with a (never reached) byte bound, sizing each entry as it is stored, reports."""
+    lazy, eager = ConversationStore(max_entries=BOUND), ConversationStore(max_entries=BOUND, max_bytes=10**9)
+    now = 0.0
+    for op, conv, ttl, tokens in ops:
+        now += 1.0
+        for store in (lazy, eager):
+            if op == "record":
+                store.record_success("t", conv, entry(list(range(tokens)), now + ttl, "d" * tokens), now)
+            elif op == "forget":
+                store.forget("t", conv)
+        if op == "bytes":
+            assert lazy.bytes == eager.bytes
+    assert lazy.bytes == eager.bytes == sum(entry_bytes(k, e) for k, e in eager._entries.items())
 
 
 def test_validation():
