@@ -55,13 +55,17 @@ class Router:
         self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
+        # A pool of one has no choice to make: every placement policy picks its one (always healthy)
+        # node without drawing from ``rng``, so the router neither asks the policy nor follows the load.
+        self._sole_p = prefill[0].name if len(prefill) == 1 else None
+        self._sole_d: str | None = None
         # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
         # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
         self._p_index = self._d_index = None
         self._p_dirty: set[PrefillNode] = set()
         self._d_dirty: set[DecodeNode] = set()
         self._indexed: dict[Any, Any] = {}  # node -> what the index holds of its load
-        if type(p_placement) is LeastLoaded:
+        if type(p_placement) is LeastLoaded and self._sole_p is None:
             self._p_index = LeastLoadedIndex([InstanceLoad(p.name) for p in prefill])
             for p in prefill:
                 p.load_dirty = self._p_dirty
@@ -73,7 +77,8 @@ class Router:
         self.decode = decode
         self._decode_by_name = {d.name: d for d in decode}
         self._d_snaps = [None] * len(decode)
-        if type(self.d_placement) is LeastLoaded and decode:
+        self._sole_d = decode[0].name if len(decode) == 1 else None
+        if type(self.d_placement) is LeastLoaded and len(decode) > 1:
             self._d_index = LeastLoadedIndex([InstanceLoad(d.name, total_blocks=d.capacity) for d in decode])
             for d in decode:
                 d.load_dirty = self._d_dirty
@@ -120,6 +125,8 @@ class Router:
     # -- placement -------------------------------------------------------------------------------
     # The PlacementRequest is built only for a policy that reads it: the LeastLoaded index does not.
     def _pick_p(self, key: tuple[str, str], prompt_tokens: int, remote_tokens: int) -> str:
+        if self._sole_p is not None:
+            return self._sole_p
         index = self._p_index
         if index is None:
             cached = {}
@@ -136,6 +143,8 @@ class Router:
         return index.pick(self.rng)
 
     def _pick_d(self, prompt_tokens: int, block_size: int) -> str:
+        if self._sole_d is not None:
+            return self._sole_d
         index = self._d_index
         if index is None:
             request = PlacementRequest(prompt_tokens, new_blocks=-(-prompt_tokens // block_size))
