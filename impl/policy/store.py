@@ -101,8 +101,8 @@ def _approx_bytes(value: Any) -> int:
         return size + sum(_approx_bytes(v) for v in value)
     if t is dict:
         size = sys.getsizeof(value)
-        # every entry's params are sized on every turn: str keys and D's scalar values (ints, strs) are
-        # sized here rather than through a call each; anything else recurses
+        # every stored entry's params are sized: str keys and D's scalar values (ints, strs) are sized
+        # here rather than through a call each; anything else recurses
         for k, v in value.items():
             size += sys.getsizeof(k) if type(k) is str else _approx_bytes(k)
             tv = type(v)
@@ -219,7 +219,7 @@ class ConversationStore:
         self.purge(now)
         key = (tenant, conversation_id)
         until = usable_until(entry.expires_at, self.expiry_margin_s)
-        if now >= until:  # born expired: not stored, and the previous turn's entry is stale too
+        if now >= until:  # born expired: not stored, and the previous turn's entry is superseded
             self._remove(key, None)
             self._remember_gone(key, MissReason.EXPIRED)
             return
