@@ -52,7 +52,7 @@ class Router:
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
-        self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
+        self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
         # A pool of one has no choice to make: every placement policy picks its one (always healthy)
@@ -95,7 +95,7 @@ class Router:
         n = rec.prompt_tokens
         last = self._last_finish.get(key)
         if last is not None:  # a later turn: the gap feeds retention policies that learn from gaps
-            self._decode_by_name[last[0]].retention.observe_gap(now - last[1])
+            last[0].retention.observe_gap(now - last[1])
         remote = None
         if self.bidirectional:
             found = self.store.lookup(key[0], key[1], SyntheticPrompt(key[1], revision, n), now)
@@ -183,7 +183,7 @@ class Router:
         """D's response finished: store the params it returned (only now, after success)."""
         key = seq.key
         now = self.env._now
-        self._last_finish[key] = (d_node.name, now)
+        self._last_finish[key] = (d_node, now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);
