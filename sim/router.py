@@ -10,8 +10,7 @@ margin stay. D's published checkpoints are modelled by the turn D holds and that
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import simpy
 
@@ -24,11 +23,11 @@ if TYPE_CHECKING:
     from sim.records import TurnRecord
 
 
-@dataclass(frozen=True, slots=True)
-class SyntheticPrompt:
+class SyntheticPrompt(NamedTuple):
     """impl.policy.PromptView for a simulated prompt: the content of a conversation at one history
     revision is a stream identified by (conversation, revision), so a prefix digest is that pair
-    while the prefix fits; a rewritten history is a new revision and no longer continues the old."""
+    while the prefix fits; a rewritten history is a new revision and no longer continues the old.
+    (A named tuple: one is built per turn, at a third of a frozen dataclass's cost.)"""
 
     conversation: str
     revision: int
@@ -53,16 +52,20 @@ class Router:
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
-        self._last_finish: dict[Any, tuple[str, float]] = {}  # (decode instance, finish time) of the last turn
+        self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
+        # A pool of one has no choice to make: every placement policy picks its one (always healthy)
+        # node without drawing from ``rng``, so the router neither asks the policy nor follows the load.
+        self._sole_p = prefill[0].name if len(prefill) == 1 else None
+        self._sole_d: str | None = None
         # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
         # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
         self._p_index = self._d_index = None
         self._p_dirty: set[PrefillNode] = set()
         self._d_dirty: set[DecodeNode] = set()
         self._indexed: dict[Any, Any] = {}  # node -> what the index holds of its load
-        if type(p_placement) is LeastLoaded:
+        if type(p_placement) is LeastLoaded and self._sole_p is None:
             self._p_index = LeastLoadedIndex([InstanceLoad(p.name) for p in prefill])
             for p in prefill:
                 p.load_dirty = self._p_dirty
@@ -74,7 +77,8 @@ class Router:
         self.decode = decode
         self._decode_by_name = {d.name: d for d in decode}
         self._d_snaps = [None] * len(decode)
-        if type(self.d_placement) is LeastLoaded and decode:
+        self._sole_d = decode[0].name if len(decode) == 1 else None
+        if type(self.d_placement) is LeastLoaded and len(decode) > 1:
             self._d_index = LeastLoadedIndex([InstanceLoad(d.name, total_blocks=d.capacity) for d in decode])
             for d in decode:
                 d.load_dirty = self._d_dirty
@@ -91,41 +95,44 @@ class Router:
         n = rec.prompt_tokens
         last = self._last_finish.get(key)
         if last is not None:  # a later turn: the gap feeds retention policies that learn from gaps
-            self._decode_by_name[last[0]].retention.observe_gap(now - last[1])
+            last[0].retention.observe_gap(now - last[1])
         remote = None
         if self.bidirectional:
             found = self.store.lookup(key[0], key[1], SyntheticPrompt(key[1], revision, n), now)
-            if found.hit:
+            entry = found.entry
+            if entry is not None:
                 rec.store_hit = True
-                params = found.entry.kv_params
-                remote = (self._decode_by_name[found.entry.decode_instance], found.entry.num_tokens,
+                params = entry.kv_params
+                remote = (self._decode_by_name[entry.decode_instance], entry.num_tokens,
                           params["held_turn"], params["held_prompt_tokens"])
             elif rec.turn > 0:
                 rec.miss_reason = found.miss.value
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
-        cached = {}
-        if self.prefix_caching and key in self._last_prefill:
-            cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
-        p_req = PlacementRequest(n, cached, remote[1] if remote else 0)
-        p_name = self._pick_p(p_req)
+        p_name = self._pick_p(key, n, remote[1] if remote else 0)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
 
         def prefilled() -> None:
             if self.prefix_caching:  # only placement under prefix caching reads it
                 self._last_prefill[key] = (p_name, n)
-            d_req = PlacementRequest(n, new_blocks=-(-n // p_node.profile.block_size))
-            d_name = self._pick_d(d_req)
+            d_name = self._pick_d(n, p_node.profile.block_size)
             rec.decode_instance = d_name
             self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage, on_done)
 
         p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage, prefilled)
 
     # -- placement -------------------------------------------------------------------------------
-    def _pick_p(self, request: PlacementRequest) -> str:
+    # The PlacementRequest is built only for a policy that reads it: the LeastLoaded index does not.
+    def _pick_p(self, key: tuple[str, str], prompt_tokens: int, remote_tokens: int) -> str:
+        if self._sole_p is not None:
+            return self._sole_p
         index = self._p_index
         if index is None:
+            cached = {}
+            if self.prefix_caching and key in self._last_prefill:
+                cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
+            request = PlacementRequest(prompt_tokens, cached, remote_tokens)
             return self.p_placement.pick(self._p_loads(), request, self.rng)
         indexed = self._indexed
         for p in self._p_dirty:
@@ -135,9 +142,12 @@ class Router:
         self._p_dirty.clear()
         return index.pick(self.rng)
 
-    def _pick_d(self, request: PlacementRequest) -> str:
+    def _pick_d(self, prompt_tokens: int, block_size: int) -> str:
+        if self._sole_d is not None:
+            return self._sole_d
         index = self._d_index
         if index is None:
+            request = PlacementRequest(prompt_tokens, new_blocks=-(-prompt_tokens // block_size))
             return self.d_placement.pick(self._d_loads(), request, self.rng)
         indexed = self._indexed
         for d in self._d_dirty:  # LeastLoaded reads neither retained blocks nor the request
@@ -172,15 +182,16 @@ class Router:
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
         key = seq.key
-        self._last_finish[key] = (d_node.name, self.env._now)
+        now = self.env._now
+        self._last_finish[key] = (d_node, now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);
         # no guard digest: P verifies token ids (the real router stores these entries the same way)
-        params = {"remote_num_tokens": seq.context, "held_turn": seq.rec.turn,
-                  "held_prompt_tokens": seq.rec.prompt_tokens}
-        entry = ConversationEntry(d_node.name, params, expires_at, seq.context, seq.context, None, self.env._now)
-        self.store.record_success(key[0], key[1], entry, self.env._now)
+        rec = seq.rec
+        params = {"remote_num_tokens": seq.context, "held_turn": rec.turn, "held_prompt_tokens": rec.prompt_tokens}
+        entry = ConversationEntry(d_node.name, params, expires_at, seq.context, seq.context, None, now)
+        self.store.record_success(key[0], key[1], entry, now)
 
     def heartbeat(self, key: tuple[str, str]) -> None:
         """Relay a client heartbeat to the D holding the conversation; update the stored expiry."""

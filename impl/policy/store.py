@@ -27,6 +27,13 @@ from impl.policy.continuation import PromptView, continues
 DEFAULT_EXPIRY_MARGIN_S = 5.0
 
 
+def usable_until(expires_at: float, margin_s: float) -> float:
+    """When an entry stops being offered: ``margin_s`` before D's expiry (P declines reads that close
+    to it). Usable while ``now < usable_until(...)``; the one statement of the rule, for every backend
+    of the store and every model of it."""
+    return expires_at - margin_s
+
+
 class MissReason(enum.Enum):
     UNKNOWN = "unknown"  # never stored, or forgotten long enough ago that we no longer remember it
     EXPIRED = "expired"  # past expiry minus the margin
@@ -94,9 +101,17 @@ def _approx_bytes(value: Any) -> int:
         return size + sum(_approx_bytes(v) for v in value)
     if t is dict:
         size = sys.getsizeof(value)
-        for k, v in value.items():  # str keys sized inline: every entry's params dict is sized on every turn
+        # every stored entry's params are sized: str keys and D's scalar values (ints, strs) are sized
+        # here rather than through a call each; anything else recurses
+        for k, v in value.items():
             size += sys.getsizeof(k) if type(k) is str else _approx_bytes(k)
-            size += _approx_bytes(v)
+            tv = type(v)
+            if tv is int:
+                size += 32 if not -5 <= v <= 256 else 0
+            elif tv is str:
+                size += sys.getsizeof(v)
+            else:
+                size += _approx_bytes(v)
         return size
     if value is None or t is bool:
         return 0
@@ -111,8 +126,11 @@ def entry_bytes(key: Key, entry: ConversationEntry) -> int:
                         + sum(_approx_bytes(g) for g in params.unpacked_groups()))
     else:
         params_bytes = _approx_bytes(params if type(params) is dict else dict(params))
-    return (_ENTRY_OVERHEAD_BYTES + _approx_bytes(key[0]) + _approx_bytes(key[1]) + _approx_bytes(entry.decode_instance)
-            + params_bytes + _approx_bytes(entry.held_digest))
+    size = _ENTRY_OVERHEAD_BYTES + params_bytes
+    for text in (key[0], key[1], entry.decode_instance, entry.held_digest):  # strs (a digest may be None)
+        if text is not None:
+            size += sys.getsizeof(text) if type(text) is str else _approx_bytes(text)
+    return size
 
 
 def _compacted(entry: ConversationEntry) -> ConversationEntry:
@@ -127,6 +145,10 @@ def _compacted(entry: ConversationEntry) -> ConversationEntry:
     return dataclasses.replace(entry, kv_params=CompactParams(params))
 
 
+# a miss carries nothing but its reason, so each is built once (Lookup is immutable)
+_MISSES = {reason: Lookup(None, reason) for reason in MissReason}
+
+
 class ConversationStore:
     def __init__(self, max_entries: int = 100_000, expiry_margin_s: float = DEFAULT_EXPIRY_MARGIN_S, bucket_s: float = 1.0,
                  max_bytes: int | None = None) -> None:
@@ -137,8 +159,11 @@ class ConversationStore:
         # An entry grows with D's remote_block_ids (~80 KB at 2,000 blocks), so a bound in entries
         # alone is no memory bound: both hold, LRU eviction serves whichever is exceeded.
         self.max_bytes = max_bytes
-        self.bytes = 0  # sum of entry_bytes over the live entries
+        self._bytes = 0  # entry_bytes summed over the live entries in _sizes
         self._sizes: dict[Key, int] = {}
+        # Without a byte bound nothing needs an entry's size when it is stored, only a reader of
+        # ``bytes``: live entries are sized then, so one replaced before anyone looks is never sized.
+        self._unsized: dict[Key, None] = {}
         if not (expiry_margin_s >= 0 and math.isfinite(expiry_margin_s)):
             raise ValueError(f"expiry_margin_s must be a finite number >= 0, got {expiry_margin_s}")
         if not (bucket_s > 0 and math.isfinite(bucket_s)):
@@ -147,18 +172,26 @@ class ConversationStore:
         self.expiry_margin_s = expiry_margin_s
         self._bucket_s = bucket_s
         self._entries: collections.OrderedDict[Key, ConversationEntry] = collections.OrderedDict()
-        self._tenants_per_id: collections.Counter[str] = collections.Counter()
+        self._tenants_per_id: dict[str, int] = {}  # conversation id -> live entries under it (never 0)
         # Remembers why recent keys left, only to report the miss reason; bounded like the store.
         self._gone: collections.OrderedDict[Key, MissReason] = collections.OrderedDict()
         self._wheel: dict[int, dict[Key, ConversationEntry]] = {}  # holds exactly the live entries
+        self._bucket_of: dict[Key, int] = {}  # each live entry's wheel bucket
         self._swept_below = -math.inf  # every bucket index below this has been swept
         self.stats = StoreStats()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _usable_until(self, entry: ConversationEntry) -> float:
-        return entry.expires_at - self.expiry_margin_s
+    @property
+    def bytes(self) -> int:
+        """entry_bytes summed over the live entries (what ``max_bytes`` bounds)."""
+        if self._unsized:
+            for key in self._unsized:
+                size = self._sizes[key] = entry_bytes(key, self._entries[key])
+                self._bytes += size
+            self._unsized.clear()
+        return self._bytes
 
     def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
         self.purge(now)
@@ -166,10 +199,10 @@ class ConversationStore:
         entry = self._entries.get(key)
         if entry is None:
             # another tenant holding this id is the signal worth counting (probing or a collision)
-            if self._tenants_per_id[conversation_id]:
+            if conversation_id in self._tenants_per_id:
                 return self._miss(MissReason.TENANT)
             return self._miss(self._gone.get(key, MissReason.UNKNOWN))
-        if now >= self._usable_until(entry):
+        if now >= usable_until(entry.expires_at, self.expiry_margin_s):
             return self._miss(MissReason.EXPIRED)
         if not guard_passes(entry, prompt):
             return self._miss(MissReason.GUARD)
@@ -179,23 +212,33 @@ class ConversationStore:
 
     def _miss(self, reason: MissReason) -> Lookup:
         self.stats.misses[reason] += 1
-        return Lookup(None, reason)
+        return _MISSES[reason]
 
     def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None:
         """Store the params of a turn D finished successfully, replacing the previous turn's."""
         self.purge(now)
         key = (tenant, conversation_id)
-        self._remove(key, None)
-        if now >= self._usable_until(entry):
+        until = usable_until(entry.expires_at, self.expiry_margin_s)
+        if now >= until:  # born expired: not stored, and the previous turn's entry is superseded
+            self._remove(key, None)
             self._remember_gone(key, MissReason.EXPIRED)
             return
-        self._gone.pop(key, None)
         entry = _compacted(entry)
-        self._entries[key] = entry
-        self._tenants_per_id[conversation_id] += 1
-        self._wheel.setdefault(self._bucket(self._usable_until(entry)), {})[key] = entry
-        size = self._sizes[key] = entry_bytes(key, entry)
-        self.bytes += size
+        entries = self._entries
+        if key in entries:  # the conversation's next turn: its id, tenant and (absent) gone reason stay
+            self._unbook(key)
+            entries.move_to_end(key)
+        else:
+            self._gone.pop(key, None)
+            self._tenants_per_id[conversation_id] = self._tenants_per_id.get(conversation_id, 0) + 1
+        entries[key] = entry
+        bucket_index = self._bucket_of[key] = self._bucket(until)
+        self._wheel.setdefault(bucket_index, {})[key] = entry
+        if self.max_bytes is None:
+            self._unsized[key] = None
+        else:
+            size = self._sizes[key] = entry_bytes(key, entry)
+            self._bytes += size
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes
                                                         and self._entries):
             old_key = next(iter(self._entries))
@@ -214,24 +257,27 @@ class ConversationStore:
         return self._entries.get((tenant, conversation_id))
 
     def _remove(self, key: Key, reason: MissReason | None) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        if self._entries.pop(key, None) is None:
             return
-        self.bytes -= self._sizes.pop(key, 0)
-        bucket_index = self._bucket(self._usable_until(entry))
-        bucket = self._wheel.get(bucket_index)
-        if bucket is not None:
-            bucket.pop(key, None)
-            if not bucket:
-                del self._wheel[bucket_index]
+        self._unbook(key)
         conv = key[1]
         left = self._tenants_per_id[conv] - 1
         if left:
             self._tenants_per_id[conv] = left
         else:
-            self._tenants_per_id.pop(conv)  # dict's own pop: Counter's __delitem__ is Python code
+            del self._tenants_per_id[conv]
         if reason is not None:
             self._remember_gone(key, reason)
+
+    def _unbook(self, key: Key) -> None:
+        """Take a live entry's bytes and wheel slot off the books (it is leaving or being replaced)."""
+        self._bytes -= self._sizes.pop(key, 0)
+        self._unsized.pop(key, None)
+        bucket_index = self._bucket_of.pop(key)
+        bucket = self._wheel[bucket_index]
+        del bucket[key]
+        if not bucket:
+            del self._wheel[bucket_index]
 
     def _remember_gone(self, key: Key, reason: MissReason) -> None:
         self._gone[key] = reason
@@ -246,6 +292,10 @@ class ConversationStore:
 
     def purge(self, now: float) -> int:
         """Drop entries whose usable time ended before the current bucket; returns how many."""
+        # ``now`` still in the bucket swept last (most calls): floor(now / bucket_s) <= _swept_below,
+        # tested without the floor; an infinite ``now`` takes the general path
+        if -math.inf < now / self._bucket_s < self._swept_below + 1:
+            return 0
         upto = self._bucket(now)  # sweep buckets strictly below this one
         if upto <= self._swept_below:
             return 0

@@ -20,6 +20,20 @@ def test_every_policy_picks_a_healthy_instance_or_none(instances, seed, prompt):
         assert (picked in healthy) if healthy else picked is None
 
 
+@given(instance=st.builds(InstanceLoad, name=st.text(min_size=1, max_size=3), queued_prefill_tokens=st.integers(0, 10_000),
+                          running_requests=st.integers(0, 50), used_blocks=st.integers(0, 100), total_blocks=st.just(100)),
+       seed=st.integers(0, 2**32 - 1), prompt=st.integers(0, 5000), repeats=st.integers(1, 3))
+def test_a_pool_of_one_healthy_instance_is_picked_without_drawing_from_rng(instance, seed, prompt, repeats):
+    """What lets the simulator's router skip placement for a pool of one (sim/router.py): every policy
+    picks the instance, every time, and leaves ``rng`` as it was."""
+    request = PlacementRequest(prompt, {instance.name: prompt // 2}, prompt // 3, prompt // 16)
+    for policy in (RoundRobin(), LeastLoaded(), KVAwareCost()):
+        rng = random.Random(seed)
+        state = rng.getstate()
+        assert [policy.pick([instance], request, rng) for _ in range(repeats)] == [instance.name] * repeats
+        assert rng.getstate() == state
+
+
 def test_round_robin_cycles_and_skips_dead():
     rr = RoundRobin()
     insts = [InstanceLoad("a"), InstanceLoad("b", healthy=False), InstanceLoad("c")]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from impl.policy import ConversationEntry, ConversationStore, ItemsPrompt, MissReason, sequence_digest
+from impl.policy.store import entry_bytes, usable_until
 
 TENANTS = ["acme", "globex"]
 CONVS = ["c0", "c1", "c2", "c3"]
@@ -42,9 +43,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.turns = 0
         self.hits = 0
 
-    @initialize(margin=st.sampled_from([5.0, 0.0, 2.5]), bucket_s=st.sampled_from([1.0, 0.25, 7.0]))
+    @initialize(margin=st.sampled_from([5.0, 0.0, 2.5]), bucket_s=st.sampled_from([1.0, 0.25, 7.0, 0.1]))
     def setup(self, margin, bucket_s):
-        # times and TTLs are multiples of 1/8 s and every bucket size here is too: bucket edges are exact
+        # times and TTLs are multiples of 1/8 s and so are the bucket sizes but 0.1, whose edges are
+        # inexact (the purge must agree with floor(now / bucket_s) there too)
         self.margin = margin
         self.store = ConversationStore(max_entries=BOUND, expiry_margin_s=margin, bucket_s=bucket_s)
 
@@ -178,6 +180,21 @@ class StoreMachine(RuleBasedStateMachine):
         if hasattr(self, "store"):
             assert len(self.store) <= BOUND
 
+    @invariant()
+    def books_match_the_live_entries(self):
+        """What replacing, evicting and purging leave on the books is what the live entries cost, and
+        the expiry wheel holds each live entry once, in the bucket of its usable end (the in-process
+        store's books: the machine also drives the Redis store, tests/router/test_store_redis.py)."""
+        if not isinstance(getattr(self, "store", None), ConversationStore):
+            return
+        live = self.store._entries
+        assert self.store.bytes == sum(entry_bytes(k, e) for k, e in live.items())
+        in_wheel = [(k, b) for b, bucket in self.store._wheel.items() for k in bucket]
+        assert sorted(k for k, _ in in_wheel) == sorted(live)
+        for k, b in in_wheel:
+            until = live[k].expires_at - self.margin
+            assert b == (1 << 62 if until == math.inf else math.floor(until / self.store._bucket_s))
+
 
 TestStoreStateful = StoreMachine.TestCase
 TestStoreStateful.settings = settings(max_examples=300, stateful_step_count=40)
@@ -230,6 +247,49 @@ def test_flood_of_ids_stays_bounded_and_purges():
     assert sum(len(b) for b in store._wheel.values()) == 1000  # the expiry wheel holds only live entries
     store.purge(now=10_000.0)
     assert len(store) == 0 and not store._wheel
+
+
+def test_an_entry_is_offered_strictly_before_its_usable_end():
+    store = ConversationStore(expiry_margin_s=5.0)
+    store.record_success("t", "c", entry([1], expires_at=100.0), now=0.0)
+    end = usable_until(100.0, 5.0)
+    assert end == 95.0
+    assert store.lookup("t", "c", ItemsPrompt([1]), now=math.nextafter(end, 0.0)).hit
+    assert store.lookup("t", "c", ItemsPrompt([1]), now=end).miss is MissReason.EXPIRED
+    store.record_success("t", "c", entry([1], expires_at=100.0), now=end)  # born at its end: not kept
+    assert store.get("t", "c") is None
+
+
+def test_a_next_turn_replaces_in_place_of_recency_and_keeps_the_tenant_count():
+    store = ConversationStore(max_entries=2)
+    store.record_success("t", "a", entry([1], 100.0), now=0.0)
+    store.record_success("u", "b", entry([1], 100.0), now=1.0)
+    store.record_success("t", "a", entry([1, 2], 200.0), now=2.0)  # a's next turn: a becomes the newest
+    store.record_success("t", "c", entry([1], 100.0), now=3.0)  # over the bound: b, the oldest, goes
+    assert [k for k in [("t", "a"), ("u", "b"), ("t", "c")] if store.get(*k) is not None] == [("t", "a"), ("t", "c")]
+    assert store.lookup("u", "a", ItemsPrompt([1, 2]), now=4.0).miss is MissReason.TENANT
+    store.forget("t", "a")
+    assert store.lookup("u", "a", ItemsPrompt([1, 2]), now=4.0).miss is MissReason.UNKNOWN
+
+
+@settings(max_examples=200)
+@given(ops=st.lists(st.tuples(st.sampled_from(["record", "forget", "bytes"]), st.sampled_from(CONVS),
+                              st.integers(0, 40), st.integers(1, 12)), max_size=40))
+def test_a_store_without_a_byte_bound_counts_the_bytes_a_bounded_one_does(ops):
+    """The unbounded store sizes entries only when ``bytes`` is read; what it reports is what a store
+    with a (never reached) byte bound, sizing each entry as it is stored, reports."""
+    lazy, eager = ConversationStore(max_entries=BOUND), ConversationStore(max_entries=BOUND, max_bytes=10**9)
+    now = 0.0
+    for op, conv, ttl, tokens in ops:
+        now += 1.0
+        for store in (lazy, eager):
+            if op == "record":
+                store.record_success("t", conv, entry(list(range(tokens)), now + ttl, "d" * tokens), now)
+            elif op == "forget":
+                store.forget("t", conv)
+        if op == "bytes":
+            assert lazy.bytes == eager.bytes
+    assert lazy.bytes == eager.bytes == sum(entry_bytes(k, e) for k, e in eager._entries.items())
 
 
 def test_validation():

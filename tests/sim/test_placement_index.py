@@ -25,15 +25,17 @@ def watch_picks(cluster: Cluster) -> list[tuple[str, str]]:
     pick_p, pick_d = router._pick_p, router._pick_d
 
     def checked(pick, side, index):
-        def wrapped(request: PlacementRequest) -> str:
+        def wrapped(*args) -> str:
             rng_before = copy.deepcopy(router.rng)
             live = live_loads(cluster)[side]
-            expected = LeastLoaded().pick(live, request, rng_before)
-            got = pick(request)
+            expected = LeastLoaded().pick(live, PlacementRequest(0), rng_before)  # LeastLoaded reads no request
+            got = pick(*args)
             picks.append((got, expected))
             assert router.rng.getstate() == rng_before.getstate()
-            # and the index held every node's live load, whether or not it changed the pick
-            assert {name: entry[0] for name, entry in index._entry.items()} == {i.name: LeastLoaded.key(i) for i in live}
+            # and the index held every node's live load, whether or not it changed the pick (a pool of
+            # one has no index: its one node is the pick)
+            if index is not None:
+                assert {name: entry[0] for name, entry in index._entry.items()} == {i.name: LeastLoaded.key(i) for i in live}
             return got
         return wrapped
 
@@ -48,7 +50,8 @@ def test_index_picks_what_a_full_poll_picks(cfg, convs, nodes):
     cfg.policy.placement = "least_loaded"
     cfg.topology.num_prefill, cfg.topology.num_decode = nodes
     cluster = Cluster(cfg.validate(), PROFILE)
-    assert cluster.router._p_index is not None and cluster.router._d_index is not None
+    assert (cluster.router._p_index is not None) == (nodes[0] > 1)
+    assert (cluster.router._d_index is not None) == (nodes[1] > 1)
     picks = watch_picks(cluster)
     cluster.run(convs)
     assert picks, "no turn was placed"
