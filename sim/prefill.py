@@ -251,18 +251,15 @@ class PrefillNode:
         finished = []
         while queue and queue[0].remaining <= 0:
             finished.append(queue.popleft())
-        if len(finished) == 1 and nothing_due_now(env):
-            # nothing else is due now, so the one finished turn's done event, queued before the next
-            # step's timer (at or after now), would be processed next: form the step, then process it
-            self._next_step()
-            finished[0].finish()
-            return
-        for turn in finished:
-            after(env, 0, turn.finish)  # queued as a done event would be
-        self._next_step()
-
-    def _next_step(self) -> None:
-        if self._queue:
+        # nothing else due now: the one finished turn's done event, queued before the next step's timer
+        # (at or after now), would be processed next, so it runs here once the next step is formed
+        on_the_spot = finished[0] if len(finished) == 1 and nothing_due_now(env) else None
+        if on_the_spot is None:
+            for turn in finished:
+                after(env, 0, turn.finish)  # queued as a done event would be
+        if queue:
             self._start_step()
         else:
             self._idle = True
+        if on_the_spot is not None:
+            on_the_spot.finish()
