@@ -22,7 +22,7 @@ from sim.clients import ClientRenewal
 from sim.conversation_client import ConversationClient
 from sim.config import SimConfig
 from sim.decode import DecodeNode
-from sim.instant import process_now
+from sim.instant import after, call_soon, process_now
 from sim.interconnect import Interconnect
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
@@ -87,12 +87,16 @@ class Cluster:
             return None
         return now + turn.gap_before_s if turn.arrival_s is None else max(turn.arrival_s, now)
 
-    def _sampler(self, interval: float) -> Generator[simpy.Event, Any, None]:
-        while self._live_clients > 0:
-            for d in self.decode:
-                d._advance_retention(self.env.now)
-                self.series.append((self.env.now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
-            yield self.env.timeout(interval)
+    def _sample(self, _event: object = None) -> None:
+        """One row per D of the series, then again an interval later, while any client is live (a
+        callback where a sampling process resumed: the same queue entries, without the resumes)."""
+        if self._live_clients <= 0:
+            return
+        now = self.env._now
+        for d in self.decode:
+            d._advance_retention(now)
+            self.series.append((now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
+        after(self.env, self.config.series_interval_s, self._sample)
 
     def send_turn(self, conv: Conversation, index: int, lineage: Lineage | None,
                   on_done: Callable[[], None]) -> TurnRecord:
@@ -141,7 +145,7 @@ class Cluster:
             else:
                 for conv in conversations:
                     ConversationClient(self, conv, lease, None).start()
-        env.process(self._sampler(self.config.series_interval_s))
+        call_soon(env, self._sample)  # where a sampling process started now would first run
         until = self.config.max_sim_time_s
         if progress is not None:
             # One run() call with or without a bar, so the clock stops where it would without one.

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 class ConversationClient:
-    __slots__ = ("cluster", "conv", "key", "lease", "lineage", "index", "release", "renew_until", "on_exit")
+    __slots__ = ("cluster", "conv", "key", "lease", "lineage", "index", "release", "renew_until", "on_exit",
+                 "beats_stop", "after_beats")
 
     def __init__(self, cluster: "Cluster", conv: Conversation, lease: Any, on_exit: Callable[[], None] | None) -> None:
         self.cluster, self.conv, self.lease, self.on_exit = cluster, conv, lease, on_exit
@@ -30,6 +31,10 @@ class ConversationClient:
         self.lineage: Lineage | None = None
         self.index = 0
         self.release = self.renew_until = 0.0
+        # the heartbeats in progress (one run at a time: between a turn's end and the next's release, or
+        # after the last turn): when they stop, and what the client does then
+        self.beats_stop = 0.0
+        self.after_beats: Callable[[], None] = _nothing
 
     def start(self) -> None:
         env = self.cluster.env
@@ -91,21 +96,22 @@ class ConversationClient:
         TTL's tail after it is not counted either).
         """
         lease = self.lease
-        stop = min(until, release - 1e-9, self.cluster.env._now + lease.max_hold_s)
-        self._next_beat(stop, then)
+        self.beats_stop = min(until, release - 1e-9, self.cluster.env._now + lease.max_hold_s)
+        self.after_beats = then
+        self._next_beat()
 
-    def _next_beat(self, stop: float, then: Callable[[], None]) -> None:
+    def _next_beat(self) -> None:
         cluster, interval = self.cluster, self.lease.heartbeat_interval_s
-        if cluster.env._now + interval <= stop and cluster._live_clients > 0:
-            after(cluster.env, interval, lambda _event: self._beat(stop, then))
+        if cluster.env._now + interval <= self.beats_stop and cluster._live_clients > 0:
+            after(cluster.env, interval, self._beat)
         else:
-            then()
+            self.after_beats()
 
-    def _beat(self, stop: float, then: Callable[[], None]) -> None:
+    def _beat(self, _timer: object) -> None:
         cluster = self.cluster
         cluster.heartbeats_sent += 1
         cluster.router.heartbeat(self.key)
-        self._next_beat(stop, then)
+        self._next_beat()
 
 
 def _nothing() -> None:

@@ -39,14 +39,13 @@ def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
 
 class _Timer:
     """A timer's queue entry: what ``Environment.step`` reads of a triggered Timeout (its callbacks, and
-    that it succeeded), without an Event's per-instance dict. Never handed to code that waits on events."""
+    that it succeeded), without an Event's per-instance dict. Never handed to code that waits on events.
+    No ``__init__``: ``after`` fills ``callbacks`` itself (a Python call less per event)."""
 
     __slots__ = ("callbacks",)
     _ok = True
     _value = None
-
-    def __init__(self, callback: Callable[[Any], None]) -> None:
-        self.callbacks = [callback]
+    callbacks: list[Callable[[Any], None]]
 
 
 def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> _Timer:
@@ -55,7 +54,8 @@ def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None])
     entry (a caller can tell its timers apart)."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
-    timer = _Timer(callback)
+    timer = _Timer()
+    timer.callbacks = [callback]
     heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
     return timer
 

@@ -84,13 +84,48 @@ class PrefixCache:
         self.used_blocks += blocks
 
 
-class _Job:
-    __slots__ = ("remaining", "context", "on_end", "enqueued_at", "started_at", "fixed_done_s")
+class _Turn:
+    """One turn on a prefill node, from its decision to its last chunk. Its bound methods are the
+    callbacks the pull, the reuse overhead and the engine loop run, so a turn builds no closures."""
 
-    def __init__(self, remaining: int, context: int, on_end: Callable[[], None], now: float, fixed_done_s: float) -> None:
-        self.remaining, self.context, self.on_end = remaining, context, on_end
-        self.enqueued_at, self.started_at = now, -1.0
-        self.fixed_done_s = fixed_done_s  # fixed prefill work already done while its pull was set up
+    __slots__ = ("node", "rec", "conv_key", "revision", "shared_prefix_tokens", "on_done", "local_hit", "d_node",
+                 "remaining", "context", "take", "enqueued_at", "started_at", "fixed_done_s")
+
+    def __init__(self, node: "PrefillNode", rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
+                 on_done: Callable[[], None], local_hit: int) -> None:
+        self.node, self.rec, self.conv_key, self.revision = node, rec, conv_key, revision
+        self.shared_prefix_tokens, self.on_done, self.local_hit = shared_prefix_tokens, on_done, local_hit
+        self.d_node: "DecodeNode | None" = None  # the D it pulls from, while it pulls
+        self.remaining = self.context = self.take = 0  # tokens left to compute, tokens cached, this step's chunk
+        self.enqueued_at, self.started_at = 0.0, -1.0
+        self.fixed_done_s = 0.0  # fixed prefill work already done while its pull was set up
+
+    def pulled(self, elapsed: float) -> None:
+        """The pull ended: release D's blocks, then pay the reuse overhead before computing the rest."""
+        rec, node = self.rec, self.node
+        rec.d2p_transfer_s = elapsed
+        self.d_node.end_read(self.conv_key, node.env._now)
+        self.d_node = None
+        overhead = rec.reuse_overhead_s = node.profile.reuse_overhead_s(rec.pulled_tokens)
+        if overhead > 0:
+            after(node.env, overhead, self.overhead_paid)
+        else:
+            node._enqueue(self, rec.pulled_tokens)
+
+    def overhead_paid(self, _timer: object) -> None:
+        # the last thing this timer does: P may start its step here rather than from a wake-up event
+        self.node._enqueue(self, self.rec.pulled_tokens, last_in_callback=True)
+
+    def finish(self, _event: object = None) -> None:
+        """Its last chunk was computed: record the times, cache the prompt, hand the turn on."""
+        node, rec = self.node, self.rec
+        waited = self.started_at - self.enqueued_at
+        if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
+            rec.p_queue_s = waited
+        rec.prefill_compute_s = node.env._now - self.started_at
+        if node.cache is not None:
+            node.cache.insert(self.conv_key, self.revision, rec.prompt_tokens, self.shared_prefix_tokens, rec.turn)
+        self.on_done()
 
 
 class PrefillNode:
@@ -101,12 +136,14 @@ class PrefillNode:
         self.interconnect = interconnect
         self.budget = max_num_batched_tokens
         self.cache = PrefixCache(cache_blocks, profile.block_size) if prefix_caching else None
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._wake: simpy.Event | None = None
+        self._pull_hidden_s = profile.pull_hidden_s()  # the profile is frozen
+        self._queue: collections.deque[_Turn] = collections.deque()
+        self._idle = True  # no step in flight and no wake-up queued
+        self._step: list[_Turn] = []  # the turns of the step in flight (a prefix of the queue)
+        self._step_s = 0.0
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
-        self._idle()
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
@@ -121,7 +158,7 @@ class PrefillNode:
         local_hit = (self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens, lineage, rec.turn)
                      if self.cache else 0)
         rec.p_local_hit_tokens = local_hit
-        reused = 0
+        turn = _Turn(self, rec, conv_key, revision, shared_prefix_tokens, on_done, local_hit)
         if remote is not None:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
@@ -140,29 +177,10 @@ class PrefillNode:
                 else:
                     rec.decision = "pull"
                     reused = rec.pulled_tokens = decision.tokens
-                    nbytes = profile.transfer_bytes(reused)
-                    fixed = profile.transfer_fixed_s(profile.blocks_for(reused))
+                    turn.d_node = d_node
                     # pull, end the read, pay the reuse overhead, queue: callbacks from the events themselves
-                    job: _Job | None = None
-
-                    def pulled(elapsed: float, d_node: "DecodeNode" = d_node, reused: int = reused) -> None:
-                        rec.d2p_transfer_s = elapsed
-                        d_node.end_read(conv_key, self.env._now)
-                        rec.reuse_overhead_s = profile.reuse_overhead_s(reused)
-                        if rec.reuse_overhead_s > 0:
-                            after(self.env, rec.reuse_overhead_s, lambda _event: enqueue())
-                        else:
-                            enqueue()
-
-                    def enqueue() -> None:
-                        nonlocal job
-                        job = self._enqueue(rec, local_hit, reused, finished)
-
-                    def finished() -> None:
-                        self._finished(rec, job, conv_key, revision, shared_prefix_tokens)
-                        on_done()
-
-                    self.interconnect.start(d_node.name, self.name, nbytes, fixed, pulled)
+                    self.interconnect.start(d_node.name, self.name, profile.transfer_bytes(reused),
+                                            profile.transfer_fixed_s(profile.blocks_for(reused)), turn.pulled)
                     return
             else:
                 # below the threshold only because the prompt diverges from what D holds: say so
@@ -170,89 +188,78 @@ class PrefillNode:
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else decision.reason.value
         else:
             rec.decision = "none"
-        def computed() -> None:
-            self._finished(rec, queued, conv_key, revision, shared_prefix_tokens)
-            on_done()
+        self._enqueue(turn, 0)
 
-        queued = self._enqueue(rec, local_hit, reused, computed)
+    def _enqueue(self, turn: _Turn, reused: int, last_in_callback: bool = False) -> None:
+        """Queue the part of the prompt left to compute, waking the engine loop if it is idle.
 
-    def _enqueue(self, rec: "TurnRecord", local_hit: int, reused: int, on_end: Callable[[], None]) -> _Job:
-        """Queue the part of the prompt left to compute; ``on_end()`` runs from the event that ends it."""
-        n = rec.prompt_tokens
+        ``last_in_callback``: the caller is an event callback that does nothing after this call, so when
+        nothing else is due now the loop's wake-up event would be processed next: the step starts here."""
+        rec = turn.rec
+        n, local_hit = rec.prompt_tokens, turn.local_hit
         if n - local_hit - reused < 1:  # vLLM always computes the last prompt token (it needs its logits)
             reused = max(n - 1 - local_hit, 0)
         context = local_hit + reused
         new_tokens = n - context
         rec.reused_tokens, rec.recomputed_tokens = reused, new_tokens
-        job = _Job(new_tokens, context, on_end, self.env._now, self.profile.pull_hidden_s() if reused else 0.0)
-        self._queue.append(job)
+        turn.remaining, turn.context = new_tokens, context
+        turn.enqueued_at = self.env._now
+        if reused:
+            turn.fixed_done_s = self._pull_hidden_s
+        self._queue.append(turn)
         self.queued_tokens += new_tokens
         self.load_dirty.add(self)
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
-        return job
-
-    def _finished(self, rec: "TurnRecord", job: "_Job | None", conv_key: Any, revision: int,
-                  shared_prefix_tokens: int) -> None:
-        assert job is not None
-        waited = job.started_at - job.enqueued_at
-        if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
-            rec.p_queue_s = waited
-        rec.prefill_compute_s = self.env._now - job.started_at
-        if self.cache is not None:
-            self.cache.insert(conv_key, revision, rec.prompt_tokens, shared_prefix_tokens, rec.turn)
+        if self._idle:
+            self._idle = False
+            if last_in_callback and nothing_due_now(self.env):
+                self._start_step()
+            else:
+                after(self.env, 0, self._start_step)  # the queue entry the loop's wake-up event had
 
     # -- the engine loop ----------------------------------------------------------------------
     # Callbacks rather than a process: a step is formed when the loop wakes or the previous step ends,
     # in the same order of events a process loop had, without a process resume per step.
-    def _idle(self) -> None:
-        self._wake = self.env.event()
-        self._wake.callbacks.append(self._on_wake)
-
-    def _on_wake(self, _event: simpy.Event) -> None:
-        self._wake = None
-        self._start_step()
-
-    def _start_step(self) -> None:
-        env, queue = self.env, self._queue
+    def _start_step(self, _wake: object = None) -> None:
+        now = self.env._now
         budget = self.budget
         chunks: list[tuple[int, int]] = []
-        scheduled: list[tuple[_Job, int]] = []
+        step = self._step = []
         hidden = 0.0
-        for job in queue:
+        for turn in self._queue:
             if budget <= 0:
                 break
-            take = min(job.remaining, budget)
-            if job.started_at < 0:
-                job.started_at = env._now
-                hidden = max(hidden, job.fixed_done_s)
-            chunks.append((take, job.context))
-            scheduled.append((job, take))
+            take = turn.take = min(turn.remaining, budget)
+            if turn.started_at < 0:
+                turn.started_at = now
+                hidden = max(hidden, turn.fixed_done_s)
+            chunks.append((take, turn.context))
+            step.append(turn)
             budget -= take
-        step_s = self.profile.prefill_step_s(chunks) - hidden
-        after(env, step_s, lambda _event: self._end_step(step_s, scheduled))
+        step_s = self._step_s = self.profile.prefill_step_s(chunks) - hidden
+        after(self.env, step_s, self._end_step)
 
-    def _end_step(self, step_s: float, scheduled: list[tuple["_Job", int]]) -> None:
+    def _end_step(self, _timer: object) -> None:
         env, queue = self.env, self._queue
-        self.busy_s += step_s
-        for job, take in scheduled:
-            job.remaining -= take
-            job.context += take
+        self.busy_s += self._step_s
+        for turn in self._step:
+            take = turn.take
+            turn.remaining -= take
+            turn.context += take
             self.queued_tokens -= take
         self.load_dirty.add(self)
+        # every turn of a step but its last took all it had left, so the finished turns lead the queue
         finished = []
         while queue and queue[0].remaining <= 0:
             finished.append(queue.popleft())
-        if any(job.remaining <= 0 for job in queue):  # a short job behind a long one finished too
-            for job in [j for j in queue if j.remaining <= 0]:
-                queue.remove(job)
-                finished.append(job)
-        if len(finished) == 1 and nothing_due_now(env):
-            # nothing else is due now, so the one finished turn's done event, queued before the next
-            # step's timer (at or after now), would be processed next: form the step, then process it
-            self._start_step() if queue else self._idle()
-            finished[0].on_end()
-            return
-        for job in finished:
-            after(env, 0, lambda _event, j=job: j.on_end())  # queued as a done event would be
-        self._start_step() if queue else self._idle()
+        # nothing else due now: the one finished turn's done event, queued before the next step's timer
+        # (at or after now), would be processed next, so it runs here once the next step is formed
+        on_the_spot = finished[0] if len(finished) == 1 and nothing_due_now(env) else None
+        if on_the_spot is None:
+            for turn in finished:
+                after(env, 0, turn.finish)  # queued as a done event would be
+        if queue:
+            self._start_step()
+        else:
+            self._idle = True
+        if on_the_spot is not None:
+            on_the_spot.finish()

@@ -6,6 +6,7 @@ duration is measured on the simulator's clock, never predicted.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
@@ -69,12 +70,13 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+_BUCKET_LABELS = ([f"{lo // 1024}-{hi // 1024}k" for lo, hi in zip(PROMPT_BUCKETS, PROMPT_BUCKETS[1:])]
+                  + [f">={PROMPT_BUCKETS[-1] // 1024}k"])
+
+
 def bucket_label(prompt_tokens: int) -> str:
-    edges = PROMPT_BUCKETS
-    for lo, hi in zip(edges, edges[1:]):
-        if prompt_tokens < hi:
-            return f"{lo // 1024}-{hi // 1024}k"
-    return f">={edges[-1] // 1024}k"
+    """The bucket below the first edge above ``prompt_tokens`` (below every edge: the first bucket)."""
+    return _BUCKET_LABELS[max(bisect.bisect_right(PROMPT_BUCKETS, prompt_tokens) - 1, 0)]
 
 
 def _dist(values: Iterable[float]) -> dict:
@@ -95,35 +97,48 @@ class NodeTotals:
 
 def summarize(records: Sequence[TurnRecord], bytes_per_block: float, decode_totals: dict[str, NodeTotals],
               sim_time_s: float) -> dict:
+    # one pass over the records, one per-turn value list per distribution: a summary of a million
+    # turns was a dozen generator passes over them
     done = [r for r in records if not r.rejected]
-    later = [r for r in done if r.turn > 0]
+    ttft = [r.ttft_s for r in done]
     by_bucket: dict[str, list[float]] = {}
+    misses: dict[str, int] = {}
+    later = hits = 0
+    reused = recomputed = offered = verified = pulled = prompt = 0  # token totals: ints, any order is exact
     for r in done:
         by_bucket.setdefault(bucket_label(r.prompt_tokens), []).append(r.ttft_s)
+        if r.turn > 0:
+            later += 1
+            if r.reused_tokens > 0:
+                hits += 1
+            if r.reused_tokens == 0:
+                key = r.miss_reason or "unknown"
+                misses[key] = misses.get(key, 0) + 1
+        reused += r.reused_tokens
+        recomputed += r.recomputed_tokens
+        offered += r.offered_tokens
+        verified += r.verified_tokens
+        pulled += r.pulled_tokens
+        prompt += r.prompt_tokens
     order = {bucket_label(e): i for i, e in enumerate(PROMPT_BUCKETS)}
-    misses: dict[str, int] = {}
-    for r in later:
-        if r.reused_tokens == 0:
-            key = r.miss_reason or "unknown"
-            misses[key] = misses.get(key, 0) + 1
     gb = bytes_per_block / 1e9
     return {
         "turns": len(records),
         "completed": len(done),
         "rejected": len(records) - len(done),
         "sim_time_s": sim_time_s,
-        "ttft": _dist(r.ttft_s for r in done),
+        "ttft": _dist(ttft),
         "ttft_by_prompt_bucket": {k: _dist(v) for k, v in sorted(by_bucket.items(), key=lambda kv: order.get(kv[0], 99))},
-        "prefill": _dist(r.prefill_s for r in done),
-        "reuse_hit_rate": (sum(1 for r in later if r.reused_tokens > 0) / len(later)) if later else math.nan,
+        "prefill": _dist([r.prefill_s for r in done]),
+        "reuse_hit_rate": (hits / later) if later else math.nan,
         "miss_reasons": dict(sorted(misses.items())),
-        "tokens_reused": sum(r.reused_tokens for r in done),  # = prompt tokens P did not recompute thanks to D
-        "tokens_recomputed": sum(r.recomputed_tokens for r in done),
+        "tokens_reused": reused,  # = prompt tokens P did not recompute thanks to D
+        "tokens_recomputed": recomputed,
         # what the router offered from D, what P verified of it (token ids equal) and what P pulled
-        "tokens_offered": sum(r.offered_tokens for r in done),
-        "tokens_verified": sum(r.verified_tokens for r in done),
-        "tokens_pulled": sum(r.pulled_tokens for r in done),
-        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "tokens_offered": offered,
+        "tokens_verified": verified,
+        "tokens_pulled": pulled,
+        "prompt_tokens": prompt,
         "retained_hbm_gb_s": sum(t.retained_block_seconds for t in decode_totals.values()) * gb,
         "peak_retained_hbm_gb": max((t.peak_retained_blocks for t in decode_totals.values()), default=0) * gb,
         "preemptions": sum(t.preemptions for t in decode_totals.values()),

@@ -50,9 +50,11 @@ class PullCandidate:
     path: TransferPath = TransferPath.DECODE_TO_PREFILL
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "remote_num_tokens", "local_hit_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        # built once per request (per turn in the simulator): the fields are named in the loop only on failure
+        if self.prompt_tokens < 0 or self.remote_num_tokens < 0 or self.local_hit_tokens < 0:
+            for name in ("prompt_tokens", "remote_num_tokens", "local_hit_tokens"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
 
@@ -110,10 +112,7 @@ class RecomputePolicy(Protocol):
     def decide(self, candidate: PullCandidate) -> RecomputeDecision: ...
 
 
-def _nothing_to_pull(candidate: PullCandidate) -> RecomputeDecision | None:
-    if candidate.reusable_tokens <= 0:
-        return RecomputeDecision(False, 0, DecisionReason.NOTHING_TO_PULL)
-    return None
+_NOTHING_TO_PULL = RecomputeDecision(False, 0, DecisionReason.NOTHING_TO_PULL)  # frozen: one serves every request
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +126,9 @@ class FixedThreshold:
             raise ValueError(f"kv_recompute_threshold must be >= 0, got {self.tokens}")
 
     def decide(self, candidate: PullCandidate) -> RecomputeDecision:
-        if (empty := _nothing_to_pull(candidate)) is not None:
-            return empty
         count = candidate.reusable_tokens
+        if count <= 0:
+            return _NOTHING_TO_PULL
         if self.tokens == 0:
             return RecomputeDecision(True, count, DecisionReason.THRESHOLD_DISABLED)
         if count >= self.tokens:
@@ -148,9 +147,9 @@ class BreakEvenThreshold:
     cost_model: KVCostModel
 
     def decide(self, candidate: PullCandidate) -> RecomputeDecision:
-        if (empty := _nothing_to_pull(candidate)) is not None:
-            return empty
         count = candidate.reusable_tokens
+        if count <= 0:
+            return _NOTHING_TO_PULL
         blocks = -(-count // candidate.block_size)
         pull_s = self.cost_model.pull_time_s(count, blocks)
         recompute_s = self.cost_model.recompute_time_s(count, candidate.aligned_local_hit)
