@@ -37,7 +37,7 @@ def succeed_now(env: simpy.Environment, event: simpy.Event) -> None:
         event.succeed()
 
 
-class _Timer:
+class Timer:
     """A timer's queue entry: what ``Environment.step`` reads of a triggered Timeout (its callbacks, and
     that it succeeded), without an Event's per-instance dict. Never handed to code that waits on events.
     No ``__init__``: ``after`` fills ``callbacks`` itself (a Python call less per event)."""
@@ -48,15 +48,27 @@ class _Timer:
     callbacks: list[Callable[[Any], None]]
 
 
-def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> _Timer:
+def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> Timer:
     """``env.timeout(delay).callbacks.append(callback)``: the same queue entry (time, priority, sequence
     number) a Timeout gets, so the same order of everything. ``callback`` is called with the returned
     entry (a caller can tell its timers apart)."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
-    timer = _Timer()
+    timer = Timer()
     timer.callbacks = [callback]
     heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
+    return timer
+
+
+def at(env: simpy.Environment, when: float, callback: Callable[[Any], None], timer: Timer | None = None) -> Timer:
+    """``after`` at an absolute time (``now + (when - now)`` need not round back to ``when``); ``timer``:
+    an entry of a subclass carrying more (its callbacks are set here)."""
+    if when < env._now:
+        raise ValueError(f"time {when} is in the past (now {env._now})")
+    if timer is None:
+        timer = Timer()
+    timer.callbacks = [callback]
+    heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
     return timer
 
 

@@ -21,26 +21,17 @@ sets an earlier timer, leaving the old one to fire as a no-op.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import Callable
 
 import simpy
-from simpy.events import NORMAL
 
-from sim.instant import _Timer, after, nothing_due_now
+from sim.instant import Timer, after, at, nothing_due_now
 
 # a flow is done when what is left would take under a nanosecond (float residue of re-rating)
 _DONE_WITHIN_S = 1e-9
 
 
-def _at(env: simpy.Environment, when: float, callback: Callable[[_Timer], None]) -> _Timer:
-    """``sim.instant.after`` at an absolute time (``now + (when - now)`` need not round back to ``when``)."""
-    timer = _Timer(callback)
-    heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
-    return timer
-
-
-class _EndTimer(_Timer):
+class _EndTimer(Timer):
     """A flow's end timer: it carries its flow, so one bound method serves every flow's timers."""
 
     __slots__ = ("flow",)
@@ -111,7 +102,7 @@ class Interconnect:
             return
         self._unalone(flow)
         if fixed_s > 0:
-            _at(env, flow.begins, lambda _timer: self._begin(flow))
+            at(env, flow.begins, lambda _timer: self._begin(flow))
         else:
             self._begin(flow)
 
@@ -136,7 +127,7 @@ class Interconnect:
             self._moving[flow.src] += 1
             self._moving[flow.dst] += 1
         else:
-            _at(self.env, flow.begins, lambda _timer: self._begin(flow))
+            at(self.env, flow.begins, lambda _timer: self._begin(flow))
         self._unalone(flow)
 
     def _begin(self, flow: _Flow) -> None:
@@ -172,11 +163,10 @@ class Interconnect:
                 self._arm(other)
 
     def _arm(self, flow: _Flow) -> None:
-        timer = flow.timer = _EndTimer(self._on_timer)
+        timer = flow.timer = _EndTimer()
         timer.flow = flow
         flow.timer_at = flow.end
-        env = self.env
-        heapq.heappush(env._queue, (flow.end, NORMAL, next(env._eid), timer))
+        at(self.env, flow.end, self._on_timer, timer)
 
     def _on_timer(self, timer: _EndTimer) -> None:
         flow = timer.flow
@@ -189,6 +179,7 @@ class Interconnect:
         if flow.end - now > _DONE_WITHIN_S:
             self._arm(flow)  # fired early: the flow slowed down after this timer was set
             return
+        flow.timer = None  # no flow <-> timer cycle left behind: refcounting frees both, not the cyclic GC
         self._on_nic[flow.src].remove(flow)
         self._on_nic[flow.dst].remove(flow)
         if flow.moving:
