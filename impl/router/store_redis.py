@@ -8,7 +8,7 @@ replica runs it (Redis runs a script alone; no WATCH/MULTI retry loops):
 * **tenant scoping** -- entries are keyed by (tenant, conversation id); a per-id count of tenants
   holding it answers the ``tenant`` miss, as the in-memory store does;
 * **expiry with the margin** -- each entry is indexed by the time it stops being offerable
-  (``expires_at - margin``); every script first purges what is past it (amortised O(log n) each, the
+  (``impl.policy.store.usable_until``: ``expires_at - margin``); every script first purges what is past it (amortised O(log n) each, the
   wheel's job in memory). Times travel as the wall clock (``time.time()``) so replicas agree: each
   replica converts its monotonic clock with one offset taken at start-up, and D's own expiry is only
   ever carried inside ``kv_params``, never compared;
@@ -62,7 +62,7 @@ from redis.backoff import NoBackoff
 
 from impl.policy import ConversationEntry, Lookup, MissReason
 from impl.policy.continuation import PromptView
-from impl.policy.store import StoreStats, guard_passes
+from impl.policy.store import StoreStats, guard_passes, usable_until
 from impl.router.stores import StoreUnavailable, Versioned
 
 log = logging.getLogger("bidikv.router")
@@ -451,10 +451,10 @@ class RedisStore:
 
     async def _write(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float,
                      expect: str) -> bytes:
-        usable_until = entry.expires_at - self.expiry_margin_s
-        backstop_ms = 0 if math.isinf(usable_until) else max(1, int((usable_until - now + BACKSTOP_GRACE_S) * 1000))
+        until = usable_until(entry.expires_at, self.expiry_margin_s)
+        backstop_ms = 0 if math.isinf(until) else max(1, int((until - now + BACKSTOP_GRACE_S) * 1000))
         reply = await self._script(self._record, self._shared(now), member(tenant, conversation_id), self.max_entries,
-                                   _score(usable_until + self.offset), self._encode(entry), backstop_ms, expect)
+                                   _score(until + self.offset), self._encode(entry), backstop_ms, expect)
         self.stats.purged += int(reply[1])
         self._size = int(reply[2])
         if reply[0] == b"stored":
