@@ -154,10 +154,13 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
                       and objective_lo(j) <= best * (1 + tolerance_pct / 100.0) + 1e-9]
         return min(candidates)[1] if candidates else None
 
-    # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores;
-    # it starts with the jobs that are simulated anyway
-    probe = [min(open_, key=lambda j: (-twin[j][0], objective_lo(j)))] if open_ else []
-    start([*pending, *probe])
+    # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores
+    # (unless it is a reference's twin: then that simulation is its own); it starts with the jobs
+    # that are simulated anyway
+    start(list(pending))
+    probe = min(open_, key=lambda j: (-twin[j][0], objective_lo(j))) if open_ else None
+    if probe is not None and twin[probe] not in running_twins:
+        start([probe])
     while running:
         job, future = running.popleft()
         running_twins.discard(twin.get(job))
