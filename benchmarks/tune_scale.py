@@ -46,7 +46,8 @@ def cpu_of_children() -> float:
 def tune(turns: int, *flags: str) -> tuple[float, dict, tuple[float, float], float]:
     """One `bidikv tune --json` process: (wall seconds, its JSON, load before and after, CPU seconds of
     it and its process-pool workers: on a shared host the figure the load does not inflate; a local
-    Ray's workers are not its children and are not counted)."""
+    Ray's workers are not its children and are not counted). The JSON gains ``execution``: the tuner's
+    own account on stderr of the simulations it ran and how long its workers sat idle."""
     conversations = max(1, round(turns / TURNS_PER_CONVERSATION))
     argv = [sys.executable, "-m", "impl.cli", "tune", "--conversations", str(conversations), "--json", "--no-progress",
             *flags]
@@ -56,7 +57,9 @@ def tune(turns: int, *flags: str) -> tuple[float, dict, tuple[float, float], flo
     wall = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-    return wall, json.loads(done.stdout), (before, load()), cpu_of_children() - cpu
+    out = json.loads(done.stdout)
+    out["execution"] = next((line for line in done.stderr.splitlines() if line.startswith("tune: ")), "")
+    return wall, out, (before, load()), cpu_of_children() - cpu
 
 
 def grid(ttls=TTLS, thresholds=THRESHOLDS) -> list[str]:
@@ -75,6 +78,7 @@ def summary(name: str, wall: float, out: dict, loads: tuple[float, float], cpu: 
     print(f"{name}: {wall:,.0f} s wall, {cpu:,.0f} CPU s (/2 cores: {cpu / 2:,.0f} s) for {turns:,} turns x "
           f"{len(out['points'])} rows (load {loads[0]:.1f} -> {loads[1]:.1f})")
     print(f"  screening: {s['text']}")
+    print(f"  {out['execution']}")
     print(f"  recommended: {rec['label'] if rec else None}; frontier: {len(frontier(out))} configurations")
 
 

@@ -103,13 +103,6 @@ def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
     return out
 
 
-def _batch(args: argparse.Namespace) -> int:
-    """Screened points simulated per round: one per worker the executor runs at once."""
-    import os
-
-    return 1 if args.executor == "serial" else (args.workers or os.cpu_count() or 1)
-
-
 def _list(text: str, name: str) -> list[float]:
     return parse_floats(text, name) if text.strip() else []
 
@@ -117,14 +110,15 @@ def _list(text: str, name: str) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     from calibration.profile import LatencyProfile
     from sim.cli import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
-    from sim.tune.executor import run_points
+    from sim.tune.executor import Runs
     from sim.tune.grid import REFERENCES, build_grid
     from sim.tune.sensitivity import (UNSTATED, lease_points, sensitivity_rows, sensitivity_table, stated_renewal,
-                                      tune_across_behaviours)
+                                      surely_simulated, sweep_jobs, tune_across_behaviours)
     from sim.tune.report import as_json, plots, recommendation_text, screening_summary, table as table_text
     from sim.tune.screen import TurnTable, screener
 
     check_args(args)
+    runs = Runs(args.executor, args.workers, args.progress)
     config = config_from_args(args)
     thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
     grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
@@ -137,17 +131,24 @@ def run(args: argparse.Namespace) -> int:
         config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
     decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
     decode_hbm_gb = decode_blocks * block_gb * config.topology.num_decode
+    candidates = [*grid, *REFERENCES]
+    # the workers simulate what the screen cannot spare while this process screens (config is final here)
+    configs, overrides, _ = sweep_jobs(config, candidates)
+    sure = surely_simulated(config, candidates, args.screen)
+    runs.submit([configs[j] for j in sure], [overrides[j] for j in sure])
     table = TurnTable(config, conversations, profile)
     screen, not_screened = screener(config, conversations, profile, decode_blocks, table) if args.screen else (None, [])
     del conversations  # the workers build their own; a million turns need not stay here
-    candidates = [*grid, *REFERENCES]
     # a lease is only as good as the clients' heartbeats: every lease point runs under each client
     # behaviour, the recommendation is for the stated one (or safe under never and while_open)
     stated = stated_renewal(args)
     tuning = tune_across_behaviours(
-        config, candidates, lambda cfgs, pols: run_points(cfgs, pols, args.executor, args.workers, args.progress),
-        args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct, stated, screen,
-        batch=_batch(args), compute_bound_tokens=table.compute_bound_tokens())
+        config, candidates, runs.run, args.objective, args.max_retained_hbm_pct, decode_hbm_gb, args.tolerance_pct,
+        stated, screen, batch=runs.workers, compute_bound_tokens=table.compute_bound_tokens(), submit=runs.submit)
+    runs.close()
+    print(f"tune: {runs.simulations} simulations ({runs.cpu_s:,.0f} CPU s) on {runs.workers} {args.executor} "
+          f"worker(s), idle {runs.idle_share():.1%} of the {runs.last_done - runs.started:,.0f} s from the start "
+          "to the last simulation's end", file=sys.stderr)
     screening = screening_summary(tuning.narrowing, not_screened, args.screen)
     points, chosen = tuning.main.points, tuning.main.chosen
     sensitivity = sensitivity_rows(tuning, args.objective)

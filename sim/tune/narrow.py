@@ -9,8 +9,10 @@ that best, are left out, so this simulates at least as much as needed), and it m
 for a conversation's last blocks (only the simulation knows where the run ends), far too loose to rule
 anything out, so the screen's estimate is used, less a slack: twice the largest relative error the
 estimate showed on the points simulated so far (vLLM's default and the probe at least), and never less
-than ``MIN_HBM_SLACK``. Points are simulated best-bound first, a batch at a time, until none is left
-open; every other point keeps its screened figures, marked ``screened``, and is never recommended.
+than ``MIN_HBM_SLACK``. Points are simulated best-bound first, the next as soon as a worker frees,
+until none is left open; every other point keeps its screened figures, marked ``screened``, and is
+never recommended. A point with the same TTL and the same pulls on every turn as a simulated one (vLLM's
+default included) takes its figures: the same simulation, event for event.
 
 The probe: the screened point holding blocks longest is always simulated, since it retains the most.
 Every simulated point checks the screen: it must show no memory pressure on D (the premise that makes
@@ -20,7 +22,9 @@ either fails, every screened point is simulated and a note says why.
 
 from __future__ import annotations
 
+import collections
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -64,18 +68,27 @@ def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float])
 
 
 def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: int,
-           counts_for_best: Callable[[int], bool], run: Callable[[list[int]], list[dict[str, Any]]],
+           counts_for_best: Callable[[int], bool], submit: Callable[[list[int]], list[Future]],
            objective: str, budget_gb: float, tolerance_pct: float, batch: int,
            references: dict[int, dict[str, Any]] | None = None) -> Narrowing:
     """``screened``: job -> screen figures; ``pending``: the jobs to simulate anyway (every job not
-    screened: they run with the probe, in one batch); ``run`` simulates jobs; ``counts_for_best``: may the job's simulated
-    objective set the best (a non-lease sweep point or vLLM's default); ``references``: screen figures
-    of simulated jobs (vLLM's default), to check the screen against."""
+    screened: they start first, with the probe); ``submit`` starts simulating jobs and returns their
+    futures; ``counts_for_best``: may the job's simulated objective set the best (a non-lease sweep point
+    or vLLM's default); ``references``: screen figures of simulated jobs (vLLM's default), to check the
+    screen against; ``batch``: simulations kept running at once (one per worker).
+
+    Results are taken in the order the simulations started, and the next point is chosen after each
+    one, from those taken so far: the same points are simulated whatever the executor and however
+    long each simulation takes."""
     key = OBJECTIVES[objective]
     results: dict[int, dict[str, Any]] = {}
     out = Narrowing([], screened=set(screened))
-    open_ = set(screened)
+    open_ = set(screened)  # screened jobs with no simulated figures yet
     checks = dict(references or {})  # job -> screen figures, for every simulated job the screen also covers
+    twin = {j: f["same_simulation_key"] for j, f in {**screened, **checks}.items()}
+    running: collections.deque[tuple[int, Future]] = collections.deque()  # in the order they started
+    running_twins: set[Any] = set()
+    trusted = True  # the screen held on every simulation so far (else every open job is simulated on its own)
 
     def hbm_slack() -> float:
         errors = [abs(f["retained_hbm_gb_s_estimate"] - results[j]["retained_hbm_gb_s"]) / results[j]["retained_hbm_gb_s"]
@@ -86,85 +99,74 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
         simulated = [m["sim_time_s"] for m in results.values()]
         return (min(simulated) * (1 - RUN_LENGTH_SLACK), max(simulated) * (1 + RUN_LENGTH_SLACK))
 
-    def simulate(chosen: Sequence[int], twins: bool = True) -> bool:
-        """Simulate ``chosen``, once per twin set (same retention, same pulls on every turn: the same
-        simulation event for event, while the screen's hits are exact); False if a simulation
-        contradicts the screen."""
-        ok = True
-        groups: dict[Any, list[int]] = {}
-        for job in chosen:
-            groups.setdefault(screened[job]["same_simulation_key"] if twins else job, []).append(job)
-        known = {screened[j]["same_simulation_key"]: results[j] for j in out.simulated} if twins else {}
-        fresh = [members[0] for twin, members in groups.items() if twin not in known]
-        for job, metrics in zip(fresh, run(fresh) if fresh else []):
-            known[screened[job]["same_simulation_key"] if twins else job] = metrics
-            checks[job] = screened[job]
-            wrong = [k for k in EXACT_KEYS if metrics[k] != screened[job][k]]
-            if pressure_seen(metrics):
-                out.notes.append("a simulated fixed-TTL point showed memory pressure on D (drops, preemptions or "
-                                 "rejections): screened hits are not exact here, every point was simulated")
-                ok = False
-            elif wrong:
-                out.notes.append(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was "
-                                 "simulated (please report this workload)")
-                ok = False
-        for twin, members in groups.items():
-            for job in members:
-                results[job] = known[twin]
-                open_.discard(job)
-                out.simulated.add(job)
-                out.screened.discard(job)
-            out.same_as_simulated += len(members) - (members[0] in fresh)
-        return ok
-
     def objective_lo(job: int) -> float:
         fig = screened[job]
         return fig["tokens_recomputed"] if key == "tokens_recomputed" else fig["ttft_lower_bound_ms"][key.split("_")[1]]
 
-    # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores;
-    # it runs with the jobs that are simulated anyway
-    probe = [min(open_, key=lambda j: (-screened[j]["same_simulation_key"][0], objective_lo(j)))] if open_ else []
-    first = list(pending) + probe
-    results.update(zip(first, run(first) if first else []))
-    for job in probe:
-        open_.discard(job)
-        out.simulated.add(job)
-        out.screened.discard(job)
-        checks[job] = screened[job]
-    for job, figures in checks.items():
-        wrong = [k for k in EXACT_KEYS if results[job][k] != figures[k]]
-        if wrong and not pressure_seen(results[job]):
-            out.notes.append(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was "
-                             "simulated (please report this workload)")
-            simulate(sorted(open_), twins=False)
-            break
-    if open_ and any(pressure_seen(m) for m in results.values()):
-        out.notes.append("a simulated point showed memory pressure on D (drops, preemptions or rejections): screened "
-                         "hits are not exact here, every point was simulated")
-        simulate(sorted(open_), twins=False)
-    while open_:
-        if not results:
-            break
+    def start(chosen: list[int]) -> None:
+        running.extend(zip(chosen, submit(chosen)))
+        running_twins.update(twin[j] for j in chosen if j in twin)
+
+    def distrust(note: str) -> None:
+        """The screen's hits are not exact here: simulate every open job, each on its own."""
+        nonlocal trusted
+        out.notes.append(note)
+        if trusted:
+            trusted = False
+            own = {j for j, _ in running}
+            start(sorted(j for j in open_ if j not in own))
+
+    def take(job: int, metrics: dict[str, Any]) -> None:
+        results[job] = metrics
+        if job in open_:
+            open_.discard(job)
+            out.simulated.add(job)
+            out.screened.discard(job)
+            checks[job] = screened[job]
+        wrong = [k for k in EXACT_KEYS if job in checks and metrics[k] != checks[job][k]]
+        if pressure_seen(metrics):
+            distrust("a simulated point showed memory pressure on D (drops, preemptions or rejections): screened "
+                     "hits are not exact here, every point was simulated")
+        elif wrong:
+            distrust(f"a simulated point's {', '.join(wrong)} differ from the screen's: every point was simulated "
+                     "(please report this workload)")
+        elif trusted and job in twin:
+            # same retention, same pulls on every turn: the same simulation event for event, while the
+            # screen's hits are exact (a twin not yet started takes these figures instead of a run)
+            own = {j for j, _ in running}
+            for j in sorted(open_):
+                if twin[j] == twin[job] and j not in own:
+                    results[j] = metrics
+                    open_.discard(j)
+                    out.simulated.add(j)
+                    out.screened.discard(j)
+                    out.same_as_simulated += 1
+
+    def next_candidate() -> int | None:
+        """The open job with the lowest objective bound that the recommendation could still be."""
         _, longest = lengths()
         feasible = [m[key] for j, m in results.items()
                     if counts_for_best(j) and m["rejected"] == 0 and m["retained_hbm_gb_s"] <= budget_gb * m["sim_time_s"]]
         best = min(feasible, default=math.inf)
         least = 1 - hbm_slack()
-        candidates = sorted((objective_lo(j), j) for j in open_
-                            if screened[j]["retained_hbm_gb_s_estimate"] * least <= budget_gb * longest
-                            and objective_lo(j) <= best * (1 + tolerance_pct / 100.0) + 1e-9)
-        if not candidates:
-            break
-        # a batch of distinct simulations: twins of one another ride along with the first
-        chosen, keys = [], set()
-        for _, j in candidates:
-            if len(keys) == batch:
-                break
-            chosen.append(j)
-            keys.add(screened[j]["same_simulation_key"])
-        if not simulate(chosen):
-            simulate(sorted(open_), twins=False)
-            break
+        candidates = [(objective_lo(j), j) for j in open_ if twin[j] not in running_twins
+                      and screened[j]["retained_hbm_gb_s_estimate"] * least <= budget_gb * longest
+                      and objective_lo(j) <= best * (1 + tolerance_pct / 100.0) + 1e-9]
+        return min(candidates)[1] if candidates else None
+
+    # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores
+    # (unless it is a reference's twin: then that simulation is its own); it starts with the jobs
+    # that are simulated anyway
+    start(list(pending))
+    probe = min(open_, key=lambda j: (-twin[j][0], objective_lo(j))) if open_ else None
+    if probe is not None and twin[probe] not in running_twins:
+        start([probe])
+    while running:
+        job, future = running.popleft()
+        running_twins.discard(twin.get(job))
+        take(job, future.result())
+        while trusted and len(running) < batch and (job := next_candidate()) is not None:
+            start([job])
     out.notes = list(dict.fromkeys(out.notes))
     run_length = lengths() if results else (math.nan, math.nan)
     out.results = [results[j] if j in results else screened_metrics(screened[j], run_length) for j in range(jobs)]

@@ -320,9 +320,10 @@ def screening_summary(narrowing: Any, not_screened: Sequence[str], requested: bo
     screened, simulated = len(narrowing.screened), len(narrowing.simulated)
     runs = len(narrowing.results) - screened - narrowing.same_as_simulated
     text = (f"{screened} fixed-TTL configurations screened (one pass over the workload, not simulated), "
-            f"{simulated} more simulated because the recommendation could be them or to probe for memory pressure"
-            + (f" ({narrowing.same_as_simulated} of those the same simulation as another: same TTL, same pulls on "
-               "every turn)" if narrowing.same_as_simulated else "") + "; "
+            f"{simulated} more simulated: {simulated - narrowing.same_as_simulated} because the recommendation could "
+            "be them or to probe for memory pressure"
+            + (f", {narrowing.same_as_simulated} the same simulation as one of those or a reference (same TTL, same "
+               "pulls on every turn)" if narrowing.same_as_simulated else "") + "; "
             f"{runs} simulations run in all, references included")
     return {"requested": True, "screened": screened, "simulated_after_screening": simulated,
             "same_simulation_as_another": narrowing.same_as_simulated,

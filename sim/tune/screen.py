@@ -251,12 +251,23 @@ class Screen:
             "tokens_verified": int(np.where(hit, t.c_reusable, 0).sum()),
             "reuse_hit_rate": float((reused > 0).sum() / later) if later else math.nan,
             "same_simulation_key": (float(expiry), digest),
-            "retained_hbm_gb_s_bounds": (float(blocks @ lo), float(blocks @ hi)),
-            "retained_hbm_gb_s_estimate": float(blocks @ est),
+            "retained_hbm_gb_s_bounds": (_total(blocks, lo), _total(blocks, hi)),
+            "retained_hbm_gb_s_estimate": _total(blocks, est),
             "ttft_lower_bound_ms": {"p50": percentile(ordered, 50) * 1e3, "p90": percentile(ordered, 90) * 1e3,
                                     "p99": percentile(ordered, 99) * 1e3,
                                     "mean": float(ordered.mean()) * 1e3 if len(ordered) else math.nan},
         }
+
+
+def _total(gb: np.ndarray, hold_s: np.ndarray) -> float:
+    """GB*s held: numpy's own pairwise sum, not a BLAS dot, whose threads split the sum (its last bits
+    follow the thread count) and spin on the cores the simulations run on."""
+    return float((gb * hold_s).sum())
+
+
+def screenable(policy: Any) -> bool:
+    """A point the screen can stand for: a fixed TTL with bidirectional transfer (sim.config.PolicyConfig)."""
+    return policy.retention == "ttl" and policy.bidirectional
 
 
 def screener(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile,
@@ -269,7 +280,7 @@ def screener(config: SimConfig, conversations: Sequence[Conversation], profile: 
 
     def figures(candidate: Any) -> dict[str, Any] | None:
         policy = dataclasses.replace(config.policy, **candidate.policy)
-        if policy.retention != "ttl" or not policy.bidirectional:
+        if not screenable(policy):
             return None
         return screen.figures(policy.decoder_kv_blocks_ttl, policy.recompute(profile))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -83,18 +84,13 @@ def worst_case(metrics: Sequence[dict[str, Any]], objective_key: str) -> dict[st
     return out
 
 
-def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
-                           run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
-                           objective: str, max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
-                           stated: str | None, screen: Callable[[Candidate], dict[str, Any] | None] | None = None,
-                           batch: int = 1, compute_bound_tokens: float | None = None) -> Tuning:
-    """Simulate the grid (leases once per behaviour) and analyse it per behaviour, safe, TTL-only, lease-only.
-
-    ``screen``: a candidate's screened figures (sim/tune/screen.py) or None; screened candidates are
-    simulated only where the recommendation could be them (sim/tune/narrow.py, ``batch`` at a time)."""
+def sweep_jobs(config: SimConfig, candidates: Sequence[Candidate]) -> tuple[list[SimConfig], list[dict[str, Any]],
+                                                                            list[dict[str, int]]]:
+    """Every simulation the grid can need, as (configs, overrides, per candidate: behaviour or '*' -> job):
+    each lease once per client behaviour, every other candidate once."""
     configs: list[SimConfig] = []
     overrides: list[dict[str, Any]] = []
-    index: list[dict[str, int]] = []  # per candidate: behaviour (or '*') -> job
+    index: list[dict[str, int]] = []
     for c in candidates:
         jobs = {}
         for behaviour in (RENEWAL_BEHAVIOURS if depends_on_clients(c) else ("*",)):
@@ -104,11 +100,41 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
             configs.append(cfg)
             overrides.append(c.policy)
         index.append(jobs)
+    return configs, overrides, index
+
+
+def surely_simulated(config: SimConfig, candidates: Sequence[Candidate], screening: bool) -> list[int]:
+    """The jobs of :func:`sweep_jobs` simulated whatever a screen finds, in job order: all of them
+    without screening; with it, all but the sweep's points the screen can stand for (sim/tune/screen.py
+    ``screenable``), which the screen must see first. The tuner starts these before it screens."""
+    from sim.tune.screen import screenable
+
+    _, _, index = sweep_jobs(config, candidates)
+    return sorted(j for c, jobs in zip(candidates, index) for j in jobs.values()
+                  if not screening or c.kind != "sweep" or depends_on_clients(c)
+                  or not screenable(dataclasses.replace(config.policy, **c.policy)))
+
+
+def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
+                           run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
+                           objective: str, max_retained_hbm_pct: float, decode_hbm_gb: float, tolerance_pct: float,
+                           stated: str | None, screen: Callable[[Candidate], dict[str, Any] | None] | None = None,
+                           batch: int = 1, compute_bound_tokens: float | None = None,
+                           submit: Callable[[list[SimConfig], list[dict[str, Any]]], list[Future]] | None = None) -> Tuning:
+    """Simulate the grid (leases once per behaviour) and analyse it per behaviour, safe, TTL-only, lease-only.
+
+    ``run`` simulates points and returns their figures; ``submit``, if given, starts them and returns
+    futures (sim/tune/executor.py Runs), so screening keeps ``batch`` simulations running at once.
+    ``screen``: a candidate's screened figures (sim/tune/screen.py) or None; screened candidates are
+    simulated only where the recommendation could be them (sim/tune/narrow.py)."""
+    configs, overrides, index = sweep_jobs(config, candidates)
+    if submit is None:
+        submit = lambda cfgs, ovs: [_done(m) for m in run(cfgs, ovs)]  # noqa: E731
     if screen is None:
         results = run(configs, overrides)
         narrowing = None
     else:
-        narrowing = _narrowed(candidates, index, configs, overrides, run, screen, objective,
+        narrowing = _narrowed(candidates, index, configs, overrides, submit, screen, objective,
                               max_retained_hbm_pct / 100.0 * decode_hbm_gb, tolerance_pct, batch)
         results = narrowing.results
 
@@ -141,7 +167,8 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
 
 
 def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], configs: list[SimConfig],
-              overrides: list[dict[str, Any]], run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]],
+              overrides: list[dict[str, Any]],
+              submit: Callable[[list[SimConfig], list[dict[str, Any]]], list[Future]],
               screen: Callable[[Candidate], dict[str, Any] | None], objective: str, budget_gb: float,
               tolerance_pct: float, batch: int) -> Any:
     """Simulate what the screen cannot stand for, then what the recommendation could be."""
@@ -158,8 +185,14 @@ def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], conf
                 (screened if c.kind == "sweep" else references)[jobs["*"]] = figures
     pending = [j for j in range(len(configs)) if j not in screened]
     return narrow(screened, pending, len(configs), counts.__contains__,
-                  lambda jobs: run([configs[j] for j in jobs], [overrides[j] for j in jobs]),
+                  lambda jobs: submit([configs[j] for j in jobs], [overrides[j] for j in jobs]),
                   objective, budget_gb, tolerance_pct, batch, references)
+
+
+def _done(metrics: dict[str, Any]) -> Future:
+    future: Future = Future()
+    future.set_result(metrics)
+    return future
 
 
 def _f(x: float | None, fmt: str) -> str:
