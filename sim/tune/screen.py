@@ -42,6 +42,7 @@ import numpy as np
 from calibration.profile import LatencyProfile
 from impl.policy import FixedTTL, PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
+from impl.policy.store import usable_until
 from sim.config import SimConfig
 from sim.records import percentile
 from sim.workload.model import Conversation, Lineage, held_tokens
@@ -213,12 +214,12 @@ class Screen:
         """The point's figures, or None when a gap ties the TTL (only the simulation can tell)."""
         t = self.table
         expiry = FixedTTL(ttl_s).expiry_on_finish(0.0)  # relative to the finish: impl.policy's rule
-        usable_until = expiry - t.margin_s  # the store's and P's last instant (ConversationStore)
+        last_usable = usable_until(expiry, t.margin_s)  # the store's and P's last instant
         gap = t.c_gap_s
-        if expiry > 0 and (np.any(np.abs(gap - usable_until) <= TIE_S) or np.any(np.abs(gap - expiry) <= TIE_S)):
+        if expiry > 0 and (np.any(np.abs(gap - last_usable) <= TIE_S) or np.any(np.abs(gap - expiry) <= TIE_S)):
             return None
         pull, tokens = self._decide(recompute_policy)
-        hit = (gap < usable_until) if expiry > 0 else np.zeros(len(gap), dtype=bool)
+        hit = (gap < last_usable) if expiry > 0 else np.zeros(len(gap), dtype=bool)
         pulled = hit & pull
         n = t.prompt[t.c_index]
         reused = np.where(pulled, np.minimum(tokens, n - 1), 0)
