@@ -156,11 +156,13 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
         return "no configuration meets the HBM budget: raise --max-retained-hbm-pct or decode memory"
     s = vllm_settings(chosen, profile_name, topology)
     toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s["deploy_connector"].items())
+    bound = chosen.compute_saving_pct_of_bound
+    of_bound = ("" if bound is None or math.isnan(bound)  # the caller gave no bound: say nothing of it
+                else f"{bound:.1f} % of the most compute any configuration can save; ")
     return "\n".join([
         f"recommended: {chosen.candidate.label}  ({chosen.compute_saving_pct_of_oracle:.1f} % of the oracle's compute "
         f"saving, {chosen.ttft_saving_pct_of_oracle:.1f} % of its TTFT saving -- a clairvoyant reference, not a bound; "
-        f"{_n(chosen.compute_saving_pct_of_bound, '.1f')} % of the most compute any configuration can save; "
-        f"{chosen.hbm_vs_default:.2f}x the retained HBM*s of vLLM's default)",
+        f"{of_bound}{chosen.hbm_vs_default:.2f}x the retained HBM*s of vLLM's default)",
         f"  prefill: vllm serve ... --kv-transfer-config '{json.dumps(s['prefill_kv_transfer_config'])}'",
         f"  decode:  vllm serve ... --kv-transfer-config '{json.dumps(s['decode_kv_transfer_config'])}'",
         f"  router:  {s['router_command']}   (P0.., D0..: your instances' addresses)",
