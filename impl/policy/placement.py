@@ -120,15 +120,26 @@ class LeastLoadedIndex:
         than it picks (no InstanceLoad built per change)."""
         if total_blocks < 1:
             raise ValueError(f"instance {name!r}: total_blocks must be >= 1, got {total_blocks}")
-        self._set(name, LeastLoaded.key_of(queued_prefill_tokens, used_blocks, total_blocks, running_requests))
+        # LeastLoaded.key_of, inline: a router calls this several times per pick
+        self._set(name, (queued_prefill_tokens, used_blocks / total_blocks, running_requests))
 
     def _set(self, name: str, key: tuple[int, float, int] | None) -> None:
+        entries = self._sorted
         old = self._entry.pop(name, None)
-        if old is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        if key is not None:  # None: unhealthy, out of the choice
-            entry = self._entry[name] = (key, self._position[name], name)
-            bisect.insort(self._sorted, entry)
+        if key is None:  # unhealthy, out of the choice
+            if old is not None:
+                del entries[bisect.bisect_left(entries, old)]
+            return
+        entry = self._entry[name] = (key, self._position[name], name)
+        if old is None:
+            bisect.insort(entries, entry)
+            return
+        at = bisect.bisect_left(entries, old)
+        if (at == 0 or entries[at - 1] < entry) and (at + 1 == len(entries) or entry < entries[at + 1]):
+            entries[at] = entry  # still in order where the old one stood (most changes are small)
+        else:
+            del entries[at]
+            bisect.insort(entries, entry)
 
     def pick(self, rng: random.Random) -> str | None:
         entries = self._sorted
