@@ -104,15 +104,17 @@ class LeastLoadedIndex:
         self._position = {inst.name: i for i, inst in enumerate(instances)}
         if len(self._position) != len(instances):
             raise ValueError("instance names must be unique")
-        # (key, position, name) of every healthy instance, sorted: ties on the key are adjacent, in order
-        self._sorted: list[tuple[tuple[int, float, int], int, str]] = []
-        self._entry: dict[str, tuple[tuple[int, float, int], int, str]] = {}
+        # (*key, position, name) of every healthy instance, sorted: ties on the key are adjacent, in
+        # order. Flat rather than (key, position, name): a nested key is compared twice (== then <)
+        # wherever two entries differ, and the index compares entries on every change
+        self._sorted: list[tuple[int, float, int, int, str]] = []
+        self._entry: dict[str, tuple[int, float, int, int, str]] = {}
         for inst in instances:
             self.update(inst)
 
     def update(self, inst: InstanceLoad) -> None:
         """``inst`` is the instance's load now (replacing what the index held for its name)."""
-        self._set(inst.name, LeastLoaded.key(inst) if inst.healthy else None)
+        self._set(inst.name, (*LeastLoaded.key(inst), self._position[inst.name], inst.name) if inst.healthy else None)
 
     def update_load(self, name: str, *, queued_prefill_tokens: int = 0, running_requests: int = 0,
                     used_blocks: int = 0, total_blocks: int = 1) -> None:
@@ -121,16 +123,16 @@ class LeastLoadedIndex:
         if total_blocks < 1:
             raise ValueError(f"instance {name!r}: total_blocks must be >= 1, got {total_blocks}")
         # LeastLoaded.key_of, inline: a router calls this several times per pick
-        self._set(name, (queued_prefill_tokens, used_blocks / total_blocks, running_requests))
+        self._set(name, (queued_prefill_tokens, used_blocks / total_blocks, running_requests, self._position[name], name))
 
-    def _set(self, name: str, key: tuple[int, float, int] | None) -> None:
+    def _set(self, name: str, entry: tuple[int, float, int, int, str] | None) -> None:
         entries = self._sorted
         old = self._entry.pop(name, None)
-        if key is None:  # unhealthy, out of the choice
+        if entry is None:  # unhealthy, out of the choice
             if old is not None:
                 del entries[bisect.bisect_left(entries, old)]
             return
-        entry = self._entry[name] = (key, self._position[name], name)
+        self._entry[name] = entry
         if old is None:
             bisect.insort(entries, entry)
             return
@@ -145,11 +147,11 @@ class LeastLoadedIndex:
         entries = self._sorted
         if not entries:
             return None
-        best = entries[0][0]
-        if len(entries) == 1 or entries[1][0] != best:
-            return entries[0][2]
-        ties = bisect.bisect_left(entries, (best, len(self._position)))  # every position is below this
-        return entries[rng.randrange(ties)][2]
+        best = entries[0][:3]
+        if len(entries) == 1 or entries[1][:3] != best:
+            return entries[0][4]
+        ties = bisect.bisect_left(entries, (*best, len(self._position)))  # every position is below this
+        return entries[rng.randrange(ties)][4]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ def watch_picks(cluster: Cluster) -> list[tuple[str, str]]:
             # and the index held every node's live load, whether or not it changed the pick (a pool of
             # one has no index: its one node is the pick)
             if index is not None:
-                assert {name: entry[0] for name, entry in index._entry.items()} == {i.name: LeastLoaded.key(i) for i in live}
+                assert {name: entry[:3] for name, entry in index._entry.items()} == {i.name: LeastLoaded.key(i) for i in live}
             return got
         return wrapped
 
