@@ -114,7 +114,14 @@ class LeastLoadedIndex:
 
     def update(self, inst: InstanceLoad) -> None:
         """``inst`` is the instance's load now (replacing what the index held for its name)."""
-        self._set(inst.name, (*LeastLoaded.key(inst), self._position[inst.name], inst.name) if inst.healthy else None)
+        if inst.healthy:
+            self.update_load(inst.name, queued_prefill_tokens=inst.queued_prefill_tokens,
+                             running_requests=inst.running_requests, used_blocks=inst.used_blocks,
+                             total_blocks=inst.total_blocks)
+        else:  # out of the choice
+            old = self._entry.pop(inst.name, None)
+            if old is not None:
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
 
     def update_load(self, name: str, *, queued_prefill_tokens: int = 0, running_requests: int = 0,
                     used_blocks: int = 0, total_blocks: int = 1) -> None:
@@ -123,22 +130,16 @@ class LeastLoadedIndex:
         if total_blocks < 1:
             raise ValueError(f"instance {name!r}: total_blocks must be >= 1, got {total_blocks}")
         # LeastLoaded.key_of, inline: a router calls this several times per pick
-        self._set(name, (queued_prefill_tokens, used_blocks / total_blocks, running_requests, self._position[name], name))
-
-    def _set(self, name: str, entry: tuple[int, float, int, int, str] | None) -> None:
+        entry = (queued_prefill_tokens, used_blocks / total_blocks, running_requests, self._position[name], name)
         entries = self._sorted
-        old = self._entry.pop(name, None)
-        if entry is None:  # unhealthy, out of the choice
-            if old is not None:
-                del entries[bisect.bisect_left(entries, old)]
-            return
+        old = self._entry.get(name)
         self._entry[name] = entry
         if old is None:
             bisect.insort(entries, entry)
             return
         at = bisect.bisect_left(entries, old)
         if (at == 0 or entries[at - 1] < entry) and (at + 1 == len(entries) or entry < entries[at + 1]):
-            entries[at] = entry  # still in order where the old one stood (most changes are small)
+            entries[at] = entry  # still in order where the old one stood
         else:
             del entries[at]
             bisect.insort(entries, entry)
