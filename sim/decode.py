@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import simpy
 
 from impl.policy import RetainedPool
+from impl.policy.store import usable_until
 from sim.instant import after
 from sim.interconnect import Interconnect
 from sim.records import NodeTotals, TurnRecord
@@ -229,7 +230,7 @@ class DecodeNode:
         if meta is None:
             return self._fate.get(key, "unknown")
         expires_at = self.retained.expiry(key)
-        if now >= expires_at - self.margin:  # vLLM's P declines reads this close to expiry
+        if now >= usable_until(expires_at, self.margin):  # vLLM's P declines reads this close to expiry
             return "expired"
         blocks = self.retained.discard(key)
         del self._retained_meta[key]
