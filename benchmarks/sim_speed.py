@@ -12,14 +12,26 @@ timeout loop runs per CPU second in the same process (mean of a calibration just
 the run), and ``bare ev/turn`` = bare ev/s divided by cpu turns/s: what one simulated turn costs in
 bare-simpy events, a figure that survives a noisy host (its inverse is turns per bare event). ``KB/turn``: peak RSS the run added (workload, records, live
 state) per simulated turn. The load average is printed with the table.
+
+``--instructions`` measures the same ratio in CPU instructions instead of seconds, under valgrind's
+callgrind (instructions are counted, not timed: the same count whatever else the host runs):
+instructions per simulated turn (the difference between a run of N turns and one of 4N, so the
+interpreter's start, imports and the first turns' ramp-up cancel out), instructions per bare simpy event
+(the calibration loop at 100k and 400k events, differenced the same way), and their ratio ``bare
+ev/turn (instr)``. It is not the time ratio: the bare loop runs more instructions per cycle than the
+simulator (fewer cache misses), so the two differ by a factor the table shows; ``--instructions N``
+sets the smaller run's turns (default 1000; 64P64D's ramp-up needs more).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -49,7 +61,12 @@ def bare_simpy_events_per_s(events: int = 200_000) -> float:
     return next(env._eid) / cpu  # simpy numbers every scheduled event; this counts them
 
 
-def one(turns: int, nodes: int, seed: int) -> dict:
+def bare_child(events: int) -> None:
+    """The calibration loop alone (for an instruction count of it)."""
+    bare_simpy_events_per_s(events)
+
+
+def one(turns: int, nodes: int, seed: int, calibrate: bool = True) -> dict:
     from sim.cluster import Cluster
     from sim.config import SimConfig
     from sim.workload import load_workload
@@ -63,7 +80,7 @@ def one(turns: int, nodes: int, seed: int) -> dict:
     config.workload = {"kind": "synthetic", "num_conversations": conversations,
                        "arrival_rate_per_s": 0.25 * nodes, "inter_turn_gap_s": {"kind": "exponential", "mean": 30.0}}
     config.validate()
-    bare = bare_simpy_events_per_s()
+    bare = bare_simpy_events_per_s() if calibrate else math.nan
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # interpreter, modules, calibration
     start, cpu_start = time.perf_counter(), time.process_time()
     # what sim.runner.run_config does, with the cluster kept to read its event count
@@ -73,11 +90,13 @@ def one(turns: int, nodes: int, seed: int) -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     simulated = result.summary["turns"]
     events = next(cluster.env._eid)
-    bare = (bare + bare_simpy_events_per_s()) / 2  # calibrated before and after the run
+    if calibrate:
+        bare = (bare + bare_simpy_events_per_s()) / 2  # calibrated before and after the run
     return {"turns": simulated, "topology": f"{nodes}P{nodes}D", "wall_s": round(wall, 2),
             "turns_per_s": round(simulated / wall), "cpu_turns_per_s": round(simulated / cpu),
-            "events_per_turn": round(events / simulated, 1), "bare_events_per_s": round(bare),
-            "bare_events_per_turn": round(bare / (simulated / cpu), 1),
+            "events_per_turn": round(events / simulated, 1),
+            "bare_events_per_s": round(bare) if calibrate else None,
+            "bare_events_per_turn": round(bare / (simulated / cpu), 1) if calibrate else None,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             # what the run added at its peak (the workload held in memory, records, live state) per turn
             "kb_per_turn": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / simulated, 2),
@@ -89,10 +108,20 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--topologies", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--instructions", type=int, nargs="?", const=1000, default=None, metavar="TURNS",
+                        help="count instructions under callgrind instead of timing (see the module docstring)")
     parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--no-calibration", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one(args.child[0], args.child[1], args.seed)))
+        print(json.dumps(one(args.child[0], args.child[1], args.seed, calibrate=not args.no_calibration)))
+        return
+    if args.bare_child:
+        bare_child(args.bare_child)
+        return
+    if args.instructions is not None:
+        instructions(args.topologies, args.instructions, args.seed)
         return
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
@@ -110,6 +139,36 @@ def main() -> None:
           f"machine running {ISSUE_BARE_EVENTS_PER_S:,.0f} bare events/s, i.e. <= "
           f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} and <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} "
           f"bare ev/turn; <= 1 KB/turn")
+
+
+def _callgrind(*argv: str) -> tuple[int, str]:
+    """(instructions, stdout) of one run of this script under callgrind."""
+    done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
+                           *argv], check=True, capture_output=True, text=True)
+    refs = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if refs is None:
+        sys.exit(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
+    return int(refs.group(1).replace(",", "")), done.stdout
+
+
+def instructions(topologies: list[int], turns: int, seed: int) -> None:
+    if shutil.which("valgrind") is None:
+        sys.exit("--instructions needs valgrind (Debian: apt-get install valgrind)")
+    small, big = _callgrind("--bare-child", "100000")[0], _callgrind("--bare-child", "400000")[0]
+    per_event = (big - small) / 300_000  # the loop schedules 100,000 and 400,000 events (+ 10 process starts)
+    print(f"callgrind: {per_event:,.0f} instructions per bare simpy event (the calibration loop, 100k vs 400k events)")
+    print(f"{'topology':>9} {'turns':>15} {'instr/turn':>12} {'bare ev/turn (instr)':>21}")
+    for nodes in topologies:
+        runs = []
+        for n in (turns, 4 * turns):
+            count, out = _callgrind("--child", str(n), str(nodes), "--seed", str(seed), "--no-calibration")
+            runs.append((count, json.loads(out)["turns"]))
+        (i1, t1), (i2, t2) = runs
+        per_turn = (i2 - i1) / (t2 - t1)
+        print(f"{f'{nodes}P{nodes}D':>9} {f'{t1}->{t2}':>15} {per_turn:>12,.0f} {per_turn / per_event:>21.1f}", flush=True)
+    print(f"issue 15's targets in time: <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} (1P1D) and <= "
+          f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} (64P64D) bare ev/turn; instructions are not time "
+          "(see the module docstring)")
 
 
 if __name__ == "__main__":
