@@ -85,7 +85,8 @@ class RetainedPool:
     def add(self, key: Hashable, blocks: int, expires_at: float) -> None:
         if blocks <= 0:
             raise ValueError(f"retained blocks must be > 0, got {blocks}")
-        self.discard(key)
+        if key in self._live:  # a replaced holder (discard's call only then: once per finished turn)
+            self.discard(key)
         self._seq += 1
         entry = (expires_at, -blocks, self._seq)
         self._live[key] = entry
