@@ -108,7 +108,8 @@ class DecodeNode:
         self._joining: collections.deque[_Seq] = collections.deque()
         self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
         # what a wake runs (a joining sequence, or the segment's timer), None once triggered or while a
-        # segment runs to its next step boundary: where a simpy event would stand triggered or not
+        # segment runs to its next step boundary: where a simpy event would stand triggered or not; a join
+        # that takes it also empties the segment's timer (it fires as a no-op)
         self._armed: Callable[[Any], None] | None = None
         # the running figures (see the module docstring)
         self._joins = 0  # sequences joined so far: the next one's join order
@@ -234,7 +235,11 @@ class DecodeNode:
         """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined.
 
         ``revision`` no longer matters: P verified the token ids of the prefix it reads."""
-        self._advance_retention(now)
+        if now >= self._expiry_bound:
+            self._advance_retention(now)
+        elif now > self._retained_clock:  # what _advance_retention(now) does then, inline (once per turn)
+            self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
         meta = self._retained_meta.get(key)
         if meta is None:
             return self._fate.get(key, "unknown")
@@ -249,10 +254,16 @@ class DecodeNode:
 
     def end_read(self, key: Any, now: float) -> None:
         """P notified D that its read finished: the blocks are unpinned (still hash-cached)."""
-        tokens, revision, blocks, turn = self._reading.pop(key)
+        held = self._reading.pop(key)  # (tokens, revision, blocks, turn), as a cache entry holds them
+        blocks = held[2]
         self.reading_blocks -= blocks
         self._fate[key] = "read"
-        self._to_cache(key, tokens, revision, blocks, turn)
+        if self.prefix_caching:  # self._to_cache(key, *held), inline, the entry itself cached
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self.cached_blocks -= old[2]
+            self._cache[key] = held
+            self.cached_blocks += blocks
         if self._waiting_blocks:
             self._released()
 
@@ -341,6 +352,9 @@ class DecodeNode:
         armed = self._armed
         if armed is not None:
             self._armed = None
+            timer = self._segment_timer
+            if timer is not None and timer.callbacks:  # the segment's timer (not yet fired) fires as a no-op
+                timer.callbacks = []
             queue = self.env._queue
             if not queue or queue[0][0] > self.env._now:
                 armed(None)  # sim.instant.succeed_now's case: nothing else is due now
@@ -460,13 +474,8 @@ class DecodeNode:
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
-            self._armed = self._on_segment_wake
-            stale = self._segment_timer
-            if stale is not None and stale.callbacks is not None:
-                # a join cut its segment short: it would fire as a no-op (not this segment's timer), so
-                # it fires with no callback at all
-                stale.callbacks = []
-            self._segment_timer = after(env, segment_s, self._on_segment_timer)
+            self._armed = wake = self._on_segment_wake
+            self._segment_timer = after(env, segment_s, wake)
             return
 
     def _enter(self, seq: _Seq, steps: int) -> None:
@@ -513,20 +522,19 @@ class DecodeNode:
             crossings += sum(self._by_phase[lo:lo + e])
         return crossings
 
-    def _on_segment_timer(self, timer: object) -> None:
-        """The segment's timer: wakes the loop unless a joining sequence already did (then the wake is
-        triggered or gone; once a later segment forms, this timer has no callback left)."""
-        armed = self._armed
-        if timer is self._segment_timer and armed is not None:
+    def _on_segment_wake(self, event: object) -> None:
+        """The segment's timer, or a joining sequence (``_join``, which disarms the timer: then it fires
+        with no callback), woke the loop."""
+        env = self.env
+        now = env._now
+        if event is self._segment_timer:
+            # the timer triggers the wake: processed now if nothing else is due now (sim.instant), else
+            # queued where the wake event's succeed() put it
             self._armed = None
-            queue = self.env._queue
-            if not queue or queue[0][0] > self.env._now:
-                armed(None)
-            else:
-                after(self.env, 0, armed)
-
-    def _on_segment_wake(self, _event: object) -> None:
-        now = self.env._now
+            queue = env._queue
+            if queue and queue[0][0] <= now:
+                after(env, 0, self._on_segment_wake)
+                return
         start, segment_s, k, step0, slope = self._segment
         t = now - start
         if t < segment_s:
@@ -538,18 +546,21 @@ class DecodeNode:
             else:
                 a, b = slope / 2, step0 - slope / 2
                 j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
-            j = max(0, min(j, k))
+            if j > k:  # j = max(0, min(j, k)), without the builtin calls
+                j = k
+            elif j < 0:
+                j = 0
             while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
                 j -= 1  # whole steps completed within t
-            j = self._end_steps = min(j + 1, k)
+            j = self._end_steps = j + 1 if j < k else k
             rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
-                queue = self.env._queue
+                queue = env._queue
                 # a rest that rounds away on the clock (the segment's own timer, with t a rounding short
                 # of segment_s) while nothing else is due now ends the segment here, where its timer's
                 # entry would be processed next (sim.instant)
                 if now + rest > now or (queue and queue[0][0] <= now):
-                    after(self.env, rest, self._end_segment)
+                    after(env, rest, self._end_segment)
                     return
         else:
             self._end_steps = k
@@ -560,9 +571,18 @@ class DecodeNode:
         it reserved), or fewer (it returns the blocks of the steps it did not take). Called last in an
         event's callbacks (sim.instant)."""
         k = self._end_steps
+        steps = self._steps
         if k != self._segment[2]:
-            self.running_blocks -= self._segment_crossings - self._crossings(k)
-        self._steps = steps = self._steps + k
+            # the blocks of the steps not taken: self._crossings(k), inline (a join cuts about one
+            # segment per turn)
+            bs = self._bs
+            e = k % bs
+            crossings = k // bs * len(self.running)
+            if e:
+                lo = (1 - e - steps) % bs
+                crossings += sum(self._by_phase[lo:lo + e])
+            self.running_blocks -= self._segment_crossings - crossings
+        self._steps = steps = steps + k
         deferred = None
         if self._done_at[0][0] <= steps:
             deferred = self._finish_done(self.env._now, defer=True)
@@ -615,6 +635,9 @@ class DecodeNode:
         armed = self._armed
         if armed is not None:
             self._armed = None
+            timer = self._segment_timer
+            if timer is not None and timer.callbacks:  # as in _join
+                timer.callbacks = []
             after(self.env, 0, armed)  # queued, as the wake event's succeed() was
 
     def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
