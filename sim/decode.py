@@ -182,17 +182,20 @@ class DecodeNode:
         if used > totals.peak_used_blocks:
             totals.peak_used_blocks = used
 
-    def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
-        """Retain a finished turn's blocks; called right after ``_advance_retention(now)``, so the retained
-        blocks are integrated up to now."""
-        self.retained.add(key, blocks, expires_at)
+    def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float,
+                turn: int) -> None:
+        """Retain a finished turn's blocks (``turn``: the conversation's turn whose prompt + output they
+        hold); called right after ``_advance_retention(now)``, so the retained blocks are integrated up to
+        now."""
+        retained = self.retained
+        retained.add(key, blocks, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
-        self._retained_meta[key] = (tokens, revision, now, 0)  # the caller names the turn held
+        self._retained_meta[key] = (tokens, revision, now, turn)
         self._fate.pop(key, None)
         totals = self.totals
-        if self.retained.blocks > totals.peak_retained_blocks:
-            totals.peak_retained_blocks = self.retained.blocks
+        if retained.blocks > totals.peak_retained_blocks:
+            totals.peak_retained_blocks = retained.blocks
 
     def _make_room(self, needed: int, now: float) -> bool:
         """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
@@ -296,11 +299,40 @@ class DecodeNode:
         elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
             self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
             self._retained_clock = now
-        hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
+        bs = self._bs
+        # the local hit: this conversation's blocks still on D (retained or cached), reused for the part
+        # that prefixes the prompt
+        hit_tokens = hit_blocks = 0
+        meta = self._retained_meta.get(key)
+        if meta is not None and meta[1] == revision:  # the retained clock is at now (advanced above)
+            hit_blocks = self.retained.discard(key)
+            tokens, held_turn = meta[0], meta[3]
+            del self._retained_meta[key]
+            self._fate[key] = "taken"
+        else:
+            cached = self._cache.get(key)
+            if cached is not None and cached[1] == revision:
+                del self._cache[key]
+                tokens, _, hit_blocks, held_turn = cached
+                self.cached_blocks -= hit_blocks
+        if hit_blocks:
+            turn = rec.turn
+            if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
+                agreed = lineage.held_agreement(turn, held_turn)
+                if agreed < tokens:
+                    tokens = agreed
+            # vLLM reuses whole blocks and computes at least the last prompt token
+            if tokens > n - 1:
+                tokens = n - 1
+            hit_tokens = tokens // bs * bs
+            # blocks beyond the usable prefix are simply not kept: they return to the free pool
+            usable_blocks = -(-hit_tokens // bs)
+            if usable_blocks < hit_blocks:
+                hit_blocks = usable_blocks
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
         self.load_dirty.add(self)
-        needed = -(-n // self._bs) - hit_blocks
+        needed = -(-n // bs) - hit_blocks
         if needed + hit_blocks > self.capacity:
             self.arriving_blocks -= hit_blocks
             rec.rejected = "prompt exceeds the decode instance's KV capacity"
@@ -360,33 +392,6 @@ class DecodeNode:
                 armed(None)  # sim.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
-
-    def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
-                    turn: int = 0) -> tuple[int, int]:
-        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the
-        prompt. Called right after ``_advance_retention(now)``."""
-        tokens = blocks = 0
-        held_turn = turn
-        meta = self._retained_meta.get(key)
-        if meta is not None and meta[1] == revision:  # the retained clock is at now: serve advanced it
-            blocks = self.retained.discard(key)
-            tokens, held_turn = meta[0], meta[3]
-            del self._retained_meta[key]
-            self._fate[key] = "taken"
-        else:
-            cached = self._cache.get(key)
-            if cached is not None and cached[1] == revision:
-                del self._cache[key]
-                tokens, _, blocks, held_turn = cached
-                self.cached_blocks -= blocks
-        if not blocks:
-            return 0, 0
-        if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
-            tokens = min(tokens, lineage.held_agreement(turn, held_turn))
-        # vLLM reuses whole blocks and computes at least the last prompt token
-        usable = min(tokens, prompt_tokens - 1) // self.profile.block_size * self.profile.block_size
-        # blocks beyond the usable prefix are simply not kept: they return to the free pool
-        return usable, min(-(-usable // self._bs), blocks)
 
     # -- the engine loop -------------------------------------------------------------------------
     # Callbacks rather than a process: the loop is woken by a joining sequence or a segment's timer and
@@ -683,8 +688,7 @@ class DecodeNode:
             if self.bidirectional and blocks:
                 expires_at = self.retention.expiry_on_finish(now) if expiry is None else expiry(key, now)
                 if expires_at > now:
-                    self._retain(key, context, seq.revision, blocks, now, expires_at)
-                    self._retained_meta[key] = (context, seq.revision, now, rec.turn)  # the turn held
+                    self._retain(key, context, seq.revision, blocks, now, expires_at, rec.turn)
                 else:
                     expires_at = None
                     self._to_cache(key, context, seq.revision, blocks, rec.turn)
