@@ -129,6 +129,8 @@ class DecodeNode:
         # at or before every retained expiry (the earliest, unless that holder left since): until then
         # nothing can expire and _advance_retention need not ask the pool
         self._expiry_bound = math.inf
+        # the wakes and the step boundary's timer callback, bound once (a segment arms one or two a turn)
+        self._idle_wake, self._segment_wake, self._at_boundary = self._run, self._on_segment_wake, self._end_segment
         self._run()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -406,7 +408,7 @@ class DecodeNode:
         self.load_dirty.add(self)
         while True:
             if not running and not joining:
-                self._armed = self._run
+                self._armed = self._idle_wake
                 return
             now = env._now
             steps = self._steps
@@ -479,7 +481,7 @@ class DecodeNode:
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
-            self._armed = wake = self._on_segment_wake
+            self._armed = wake = self._segment_wake
             self._segment_timer = after(env, segment_s, wake)
             return
 
@@ -538,7 +540,7 @@ class DecodeNode:
             self._armed = None
             queue = env._queue
             if queue and queue[0][0] <= now:
-                after(env, 0, self._on_segment_wake)
+                after(env, 0, self._segment_wake)
                 return
         start, segment_s, k, step0, slope = self._segment
         t = now - start
@@ -565,7 +567,7 @@ class DecodeNode:
                 # of segment_s) while nothing else is due now ends the segment here, where its timer's
                 # entry would be processed next (sim.instant)
                 if now + rest > now or (queue and queue[0][0] <= now):
-                    after(env, rest, self._end_segment)
+                    after(env, rest, self._at_boundary)
                     return
         else:
             self._end_steps = k
@@ -590,7 +592,7 @@ class DecodeNode:
         self._steps = steps = steps + k
         deferred = None
         if self._done_at[0][0] <= steps:
-            deferred = self._finish_done(self.env._now, defer=True)
+            deferred = self._finish_done(self.env._now, True)  # defer
         self._run()
         if deferred is not None:
             deferred()
