@@ -51,12 +51,18 @@ class _Seq:
     ``base`` + steps taken, and it is done at step ``done_step``."""
 
     __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "order", "base",
-                 "join_step", "done_step")
+                 "join_step", "done_step", "node")
 
     def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
                  on_done: Callable[[], None]) -> None:
         self.rec, self.key, self.revision = rec, key, revision
         self.context, self.remaining, self.blocks, self.on_done = context, remaining, blocks, on_done
+
+    def arrived(self, elapsed: float) -> None:
+        """Its KV arrived from P (``node``: where it is served): it joins the batch, from the transfer's
+        own event (a bound method where a closure per turn was)."""
+        self.rec.p2d_transfer_s = elapsed
+        self.node._join(self)
 
 
 def _join_order(seq: _Seq) -> int:
@@ -72,8 +78,9 @@ class DecodeNode:
         self.capacity = capacity_blocks
         self.max_num_seqs = max_num_seqs
         self.retention = retention
-        # (key, now) -> expiry; only the simulator's oracle needs the key, real policies do not
-        self.retention_expiry: Callable[[Any, float], float] = lambda _key, now: retention.expiry_on_finish(now)
+        # (key, now) -> expiry; only the simulator's oracle needs the key, real policies do not (None: the
+        # retention policy's expiry_on_finish(now), called without a layer in between)
+        self.retention_expiry: Callable[[Any, float], float] | None = None
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
         self.margin = expiry_margin_s
@@ -101,7 +108,8 @@ class DecodeNode:
         self._joining: collections.deque[_Seq] = collections.deque()
         self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
         # what a wake runs (a joining sequence, or the segment's timer), None once triggered or while a
-        # segment runs to its next step boundary: where a simpy event would stand triggered or not
+        # segment runs to its next step boundary: where a simpy event would stand triggered or not; a join
+        # that takes it also empties the segment's timer (it fires as a no-op)
         self._armed: Callable[[Any], None] | None = None
         # the running figures (see the module docstring)
         self._joins = 0  # sequences joined so far: the next one's join order
@@ -121,6 +129,8 @@ class DecodeNode:
         # at or before every retained expiry (the earliest, unless that holder left since): until then
         # nothing can expire and _advance_retention need not ask the pool
         self._expiry_bound = math.inf
+        # the wakes and the step boundary's timer callback, bound once (a segment arms one or two a turn)
+        self._idle_wake, self._segment_wake, self._at_boundary = self._run, self._on_segment_wake, self._end_segment
         self._run()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -174,15 +184,20 @@ class DecodeNode:
         if used > totals.peak_used_blocks:
             totals.peak_used_blocks = used
 
-    def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float) -> None:
-        """Retain a finished turn's blocks; called right after ``_advance_retention(now)``, so the retained
-        blocks are integrated up to now."""
-        self.retained.add(key, blocks, expires_at)
+    def _retain(self, key: Any, tokens: int, revision: int, blocks: int, now: float, expires_at: float,
+                turn: int) -> None:
+        """Retain a finished turn's blocks (``turn``: the conversation's turn whose prompt + output they
+        hold); called right after ``_advance_retention(now)``, so the retained blocks are integrated up to
+        now."""
+        retained = self.retained
+        retained.add(key, blocks, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
-        self._retained_meta[key] = (tokens, revision, now, 0)  # the caller names the turn held
+        self._retained_meta[key] = (tokens, revision, now, turn)
         self._fate.pop(key, None)
-        self.totals.peak_retained_blocks = max(self.totals.peak_retained_blocks, self.retained.blocks)
+        totals = self.totals
+        if retained.blocks > totals.peak_retained_blocks:
+            totals.peak_retained_blocks = retained.blocks
 
     def _make_room(self, needed: int, now: float) -> bool:
         """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
@@ -225,7 +240,11 @@ class DecodeNode:
         """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined.
 
         ``revision`` no longer matters: P verified the token ids of the prefix it reads."""
-        self._advance_retention(now)
+        if now >= self._expiry_bound:
+            self._advance_retention(now)
+        elif now > self._retained_clock:  # what _advance_retention(now) does then, inline (once per turn)
+            self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
         meta = self._retained_meta.get(key)
         if meta is None:
             return self._fate.get(key, "unknown")
@@ -240,10 +259,16 @@ class DecodeNode:
 
     def end_read(self, key: Any, now: float) -> None:
         """P notified D that its read finished: the blocks are unpinned (still hash-cached)."""
-        tokens, revision, blocks, turn = self._reading.pop(key)
+        held = self._reading.pop(key)  # (tokens, revision, blocks, turn), as a cache entry holds them
+        blocks = held[2]
         self.reading_blocks -= blocks
         self._fate[key] = "read"
-        self._to_cache(key, tokens, revision, blocks, turn)
+        if self.prefix_caching:  # self._to_cache(key, *held), inline, the entry itself cached
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self.cached_blocks -= old[2]
+            self._cache[key] = held
+            self.cached_blocks += blocks
         if self._waiting_blocks:
             self._released()
 
@@ -269,14 +294,47 @@ class DecodeNode:
         event that ends the turn (at once if D rejects it). ``lineage``: what the prompt shares with
         earlier turns (None: every turn continues the last faithfully)."""
         env = self.env
+        now = env._now
         n = rec.prompt_tokens
-        self._advance_retention(env._now)
-        hit_tokens, hit_blocks = self._take_local(key, revision, n, lineage, rec.turn)
+        if now >= self._expiry_bound:
+            self._advance_retention(now)
+        elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
+            self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
+        bs = self._bs
+        # the local hit: this conversation's blocks still on D (retained or cached), reused for the part
+        # that prefixes the prompt
+        hit_tokens = hit_blocks = 0
+        meta = self._retained_meta.get(key)
+        if meta is not None and meta[1] == revision:  # the retained clock is at now (advanced above)
+            hit_blocks = self.retained.discard(key)
+            tokens, held_turn = meta[0], meta[3]
+            del self._retained_meta[key]
+            self._fate[key] = "taken"
+        else:
+            cached = self._cache.get(key)
+            if cached is not None and cached[1] == revision:
+                del self._cache[key]
+                tokens, _, hit_blocks, held_turn = cached
+                self.cached_blocks -= hit_blocks
+        if hit_blocks:
+            turn = rec.turn
+            if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
+                agreed = lineage.held_agreement(turn, held_turn)
+                if agreed < tokens:
+                    tokens = agreed
+            # vLLM reuses whole blocks and computes at least the last prompt token
+            if tokens > n - 1:
+                tokens = n - 1
+            hit_tokens = tokens // bs * bs
+            # blocks beyond the usable prefix are simply not kept: they return to the free pool
+            usable_blocks = -(-hit_tokens // bs)
+            if usable_blocks < hit_blocks:
+                hit_blocks = usable_blocks
         rec.d_local_hit_tokens = hit_tokens
         self.arriving_blocks += hit_blocks
         self.load_dirty.add(self)
-        needed = -(-n // self._bs) - hit_blocks
-        arrived_at = env._now
+        needed = -(-n // bs) - hit_blocks
         if needed + hit_blocks > self.capacity:
             self.arriving_blocks -= hit_blocks
             rec.rejected = "prompt exceeds the decode instance's KV capacity"
@@ -284,36 +342,40 @@ class DecodeNode:
             self._released()
             on_done()
             return
+        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, on_done)
         free = self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
                                 + self.cached_blocks)
-        if (needed <= free or self._make_room(needed, env._now)) and not self._waiting_blocks:
+        if (needed <= free or self._make_room(needed, now)) and not self._waiting_blocks:
             self.arriving_blocks += needed
-            self._admitted(rec, key, revision, p_name, needed + hit_blocks, hit_tokens, arrived_at, on_done)
+            self._admitted(seq, p_name, hit_tokens, now)
         else:
             ready = env.event()
             self._waiting_blocks.append((needed, ready))
-            ready.callbacks.append(lambda _event: self._admitted(rec, key, revision, p_name, needed + hit_blocks,
-                                                                 hit_tokens, arrived_at, on_done))
+            ready.callbacks.append(lambda _event: self._admitted(seq, p_name, hit_tokens, now))
 
-    def _admitted(self, rec: TurnRecord, key: Any, revision: int, p_name: str, blocks: int, hit_tokens: int,
-                  arrived_at: float, on_done: Callable[[], None]) -> None:
-        """The turn has its blocks: take the rest of the prompt's KV from P, then join the batch."""
-        env, profile = self.env, self.profile
-        n = rec.prompt_tokens
-        waited = env._now - arrived_at
+    def _admitted(self, seq: _Seq, p_name: str, hit_tokens: int, arrived_at: float) -> None:
+        """The turn has its blocks (``seq.blocks``, arrived at ``arrived_at``): take the rest of the
+        prompt's KV from P, then join the batch."""
+        rec = seq.rec
+        waited = self.env._now - arrived_at
         if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
             rec.d_queue_s = waited
-        self._check()
-        rec.p2d_tokens = n - hit_tokens
-        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), blocks, on_done)
-        if rec.p2d_tokens > 0:
-            # the KV arrives, then the sequence joins: from the transfer's own event, no resume between
-            def arrived(elapsed: float) -> None:
-                rec.p2d_transfer_s = elapsed
-                self._join(seq)
-
-            fixed = profile.handoff_fixed_s(-(-rec.p2d_tokens // self._bs))
-            self.interconnect.start(p_name, self.name, profile.transfer_bytes(rec.p2d_tokens), fixed, arrived)
+        # self._check(), inline (once per turn)
+        used = (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                + self.cached_blocks)
+        if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
+                or self.cached_blocks < 0):
+            self._check()  # raises
+        totals = self.totals
+        if used > totals.peak_used_blocks:
+            totals.peak_used_blocks = used
+        rec.p2d_tokens = p2d = seq.context - hit_tokens
+        if p2d > 0:
+            # the KV arrives, then the sequence joins (seq.arrived): from the transfer's own event
+            seq.node = self
+            profile = self.profile
+            fixed = profile.handoff_fixed_s(-(-p2d // self._bs))
+            self.interconnect.start(p_name, self.name, profile.transfer_bytes(p2d), fixed, seq.arrived)
         else:
             self._join(seq)
 
@@ -324,101 +386,103 @@ class DecodeNode:
         armed = self._armed
         if armed is not None:
             self._armed = None
+            timer = self._segment_timer
+            if timer is not None and timer.callbacks:  # the segment's timer (not yet fired) fires as a no-op
+                timer.callbacks = []
             queue = self.env._queue
             if not queue or queue[0][0] > self.env._now:
                 armed(None)  # sim.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
 
-    def _take_local(self, key: Any, revision: int, prompt_tokens: int, lineage: "Lineage | None" = None,
-                    turn: int = 0) -> tuple[int, int]:
-        """Reuse this conversation's blocks still on D (retained or cached) for the part that prefixes the
-        prompt. Called right after ``_advance_retention(now)``."""
-        tokens = blocks = 0
-        held_turn = turn
-        meta = self._retained_meta.get(key)
-        if meta is not None and meta[1] == revision:  # the retained clock is at now: serve advanced it
-            blocks = self.retained.discard(key)
-            tokens, held_turn = meta[0], meta[3]
-            del self._retained_meta[key]
-            self._fate[key] = "taken"
-        else:
-            cached = self._cache.get(key)
-            if cached is not None and cached[1] == revision:
-                del self._cache[key]
-                tokens, _, blocks, held_turn = cached
-                self.cached_blocks -= blocks
-        if not blocks:
-            return 0, 0
-        if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
-            tokens = min(tokens, lineage.held_agreement(turn, held_turn))
-        # vLLM reuses whole blocks and computes at least the last prompt token
-        usable = min(tokens, prompt_tokens - 1) // self.profile.block_size * self.profile.block_size
-        # blocks beyond the usable prefix are simply not kept: they return to the free pool
-        return usable, min(-(-usable // self._bs), blocks)
-
     # -- the engine loop -------------------------------------------------------------------------
     # Callbacks rather than a process: the loop is woken by a joining sequence or a segment's timer and
     # forms the next segment in the same order of events a process loop had, without a process resume.
-    def _run(self) -> None:
-        """Start the next segment, or wait idle for a sequence to join."""
+    def _run(self, _wake: object = None) -> None:
+        """Start the next segment, or wait idle for a sequence to join (its wake calls this again)."""
         env, profile = self.env, self.profile
         running, joining = self.running, self._joining
+        done_at, by_phase, bs = self._done_at, self._by_phase, self._bs
         # everything that changes the running sequences or their blocks (joins, growth, a segment's end,
         # finishes, preemption) runs in here or just before it, before any placement can read them
         self.load_dirty.add(self)
         while True:
             if not running and not joining:
-                self._armed = self._on_idle_wake
+                self._armed = self._idle_wake
                 return
             now = env._now
             steps = self._steps
             joined_done = False  # only a sequence joining now can be done here: the rest ran a step since
             while joining and len(running) < self.max_num_seqs:
                 seq = joining.popleft()
-                self.arriving_blocks -= seq.blocks
-                self.running_blocks += seq.blocks
-                self._enter(seq, steps)
+                blocks = seq.blocks
+                self.arriving_blocks -= blocks
+                self.running_blocks += blocks
+                # self._enter(seq, steps), inline (once per turn): into the running figures
+                seq.order = order = self._joins
+                self._joins = order + 1
+                running[order] = seq
+                seq.join_step = steps
+                context = seq.context
+                seq.base = base = context - steps
+                remaining = seq.remaining
+                seq.done_step = done = steps + remaining
+                heapq.heappush(done_at, (done, order))
+                self._base_sum += base
+                phase = base % bs
+                by_phase[phase] += 1
+                by_phase[phase + bs] += 1
+                self._unstepped_extra += blocks + (-context // bs)
                 rec = seq.rec
                 rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
-                if seq.remaining <= 0:
+                if remaining <= 0:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
             if not running:
                 continue
-            done_at = self._done_at
             while done_at[0][1] not in running:  # a preempted sequence's entry
                 heapq.heappop(done_at)
             k = done_at[0][0] - steps
-            growth = self._crossings(k) - self._unstepped_extra
-            if growth > self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks
-                                         + self.reading_blocks + self.cached_blocks) and not self._make_room(growth, now):
-                k = self._steps_that_fit(k, now)
-                if k == 0:
-                    self._preempt_newest(now)
-                    continue
-                growth = self._crossings(k) - self._unstepped_extra
+            batch = len(running)
+            # self._crossings(k), inline
+            e = k % bs
+            growth = k // bs * batch - self._unstepped_extra
+            if e:
+                lo = (1 - e - steps) % bs
+                growth += sum(by_phase[lo:lo + e])
+            retained = self.retained
+            used = self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks + self.cached_blocks
+            if growth > self.capacity - used:
+                if not self._make_room(growth, now):
+                    k = self._steps_that_fit(k, now)
+                    if k == 0:
+                        self._preempt_newest(now)
+                        continue
+                    growth = self._crossings(k) - self._unstepped_extra
+                used = (self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks
+                        + self.cached_blocks)  # _make_room freed some
             # reserve the segment's growth now, so admissions during the segment cannot take it: each
             # sequence holds the blocks it has after k more steps
             self._segment_crossings = growth + self._unstepped_extra
             self._unstepped_extra = 0
             self.running_blocks += growth
-            self._check()
-            batch = len(running)
+            used += growth
+            # self._check(), inline
+            if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
+                    or self.cached_blocks < 0):
+                self._check()  # raises
+            totals = self.totals
+            if used > totals.peak_used_blocks:
+                totals.peak_used_blocks = used
             context = self._base_sum + batch * steps
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
-            self._armed = self._on_segment_wake
-            stale = self._segment_timer
-            if stale is not None and stale.callbacks is not None:
-                # a join cut its segment short: it would fire as a no-op (not this segment's timer), so
-                # it fires with no callback at all
-                stale.callbacks = []
-            self._segment_timer = after(env, segment_s, self._on_segment_timer)
+            self._armed = wake = self._segment_wake
+            self._segment_timer = after(env, segment_s, wake)
             return
 
     def _enter(self, seq: _Seq, steps: int) -> None:
@@ -465,23 +529,19 @@ class DecodeNode:
             crossings += sum(self._by_phase[lo:lo + e])
         return crossings
 
-    def _on_idle_wake(self, _event: object) -> None:
-        self._run()
-
-    def _on_segment_timer(self, timer: object) -> None:
-        """The segment's timer: wakes the loop unless a joining sequence already did (then the wake is
-        triggered or gone; once a later segment forms, this timer has no callback left)."""
-        armed = self._armed
-        if timer is self._segment_timer and armed is not None:
+    def _on_segment_wake(self, event: object) -> None:
+        """The segment's timer, or a joining sequence (``_join``, which disarms the timer: then it fires
+        with no callback), woke the loop."""
+        env = self.env
+        now = env._now
+        if event is self._segment_timer:
+            # the timer triggers the wake: processed now if nothing else is due now (sim.instant), else
+            # queued where the wake event's succeed() put it
             self._armed = None
-            queue = self.env._queue
-            if not queue or queue[0][0] > self.env._now:
-                armed(None)
-            else:
-                after(self.env, 0, armed)
-
-    def _on_segment_wake(self, _event: object) -> None:
-        now = self.env._now
+            queue = env._queue
+            if queue and queue[0][0] <= now:
+                after(env, 0, self._segment_wake)
+                return
         start, segment_s, k, step0, slope = self._segment
         t = now - start
         if t < segment_s:
@@ -493,18 +553,21 @@ class DecodeNode:
             else:
                 a, b = slope / 2, step0 - slope / 2
                 j = int((-b + math.sqrt(b * b + 4 * a * t)) / (2 * a))
-            j = max(0, min(j, k))
+            if j > k:  # j = max(0, min(j, k)), without the builtin calls
+                j = k
+            elif j < 0:
+                j = 0
             while j > 0 and j * step0 + slope * j * (j - 1) / 2 > t:
                 j -= 1  # whole steps completed within t
-            j = self._end_steps = min(j + 1, k)
+            j = self._end_steps = j + 1 if j < k else k
             rest = (j * step0 + slope * j * (j - 1) / 2) - t
             if rest > 0:
-                queue = self.env._queue
+                queue = env._queue
                 # a rest that rounds away on the clock (the segment's own timer, with t a rounding short
                 # of segment_s) while nothing else is due now ends the segment here, where its timer's
                 # entry would be processed next (sim.instant)
                 if now + rest > now or (queue and queue[0][0] <= now):
-                    after(self.env, rest, self._end_segment)
+                    after(env, rest, self._at_boundary)
                     return
         else:
             self._end_steps = k
@@ -515,12 +578,21 @@ class DecodeNode:
         it reserved), or fewer (it returns the blocks of the steps it did not take). Called last in an
         event's callbacks (sim.instant)."""
         k = self._end_steps
+        steps = self._steps
         if k != self._segment[2]:
-            self.running_blocks -= self._segment_crossings - self._crossings(k)
-        self._steps += k
+            # the blocks of the steps not taken: self._crossings(k), inline (a join cuts about one
+            # segment per turn)
+            bs = self._bs
+            e = k % bs
+            crossings = k // bs * len(self.running)
+            if e:
+                lo = (1 - e - steps) % bs
+                crossings += sum(self._by_phase[lo:lo + e])
+            self.running_blocks -= self._segment_crossings - crossings
+        self._steps = steps = steps + k
         deferred = None
-        if self._done_at[0][0] <= self._steps:
-            deferred = self._finish_done(self.env._now, defer=True)
+        if self._done_at[0][0] <= steps:
+            deferred = self._finish_done(self.env._now, True)  # defer
         self._run()
         if deferred is not None:
             deferred()
@@ -570,6 +642,9 @@ class DecodeNode:
         armed = self._armed
         if armed is not None:
             self._armed = None
+            timer = self._segment_timer
+            if timer is not None and timer.callbacks:  # as in _join
+                timer.callbacks = []
             after(self.env, 0, armed)  # queued, as the wake event's succeed() was
 
     def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
@@ -587,22 +662,40 @@ class DecodeNode:
         if len(finished) > 1:
             finished.sort(key=_join_order)  # in the batch's order, oldest first
         deferred = None
-        self._advance_retention(now)
+        if now >= self._expiry_bound:
+            self._advance_retention(now)
+        elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
+            self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
+            self._retained_clock = now
+        bs, by_phase, expiry = self._bs, self._by_phase, self.retention_expiry
         for seq in finished:
-            self._leave(seq)
-            self.running_blocks -= seq.blocks
-            seq.rec.completion_s = now
+            # self._leave(seq), inline (once per turn)
+            base = seq.base
+            seq.context = context = base + steps
+            seq.remaining = seq.done_step - steps
+            if steps != seq.join_step:
+                seq.blocks = blocks = -(-context // bs)
+            else:
+                blocks = seq.blocks
+                self._unstepped_extra -= blocks + (-context // bs)
+            self._base_sum -= base
+            phase = base % bs
+            by_phase[phase] -= 1
+            by_phase[phase + bs] -= 1
+            self.running_blocks -= blocks
+            rec = seq.rec
+            rec.completion_s = now
+            key = seq.key
             expires_at = None
-            if self.bidirectional and seq.blocks:
-                expires_at = self.retention_expiry(seq.key, now)
+            if self.bidirectional and blocks:
+                expires_at = self.retention.expiry_on_finish(now) if expiry is None else expiry(key, now)
                 if expires_at > now:
-                    self._retain(seq.key, seq.context, seq.revision, seq.blocks, now, expires_at)
-                    self._retained_meta[seq.key] = (seq.context, seq.revision, now, seq.rec.turn)  # the turn held
+                    self._retain(key, context, seq.revision, blocks, now, expires_at, rec.turn)
                 else:
                     expires_at = None
-                    self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
+                    self._to_cache(key, context, seq.revision, blocks, rec.turn)
             else:
-                self._to_cache(seq.key, seq.context, seq.revision, seq.blocks, seq.rec.turn)
+                self._to_cache(key, context, seq.revision, blocks, rec.turn)
             self.on_finish(self, seq, expires_at)
             queue = self.env._queue
             if defer and len(finished) == 1 and (not queue or queue[0][0] > now):

@@ -66,13 +66,15 @@ class RetainedPool:
 
     A heap with lazy deletion: ``add``/``discard`` are O(log n) amortised, and choosing victims
     costs O(k log n) for k victims instead of sorting the whole pool. Running requests never enter.
+    A live holder's heap entry is the very tuple ``_live`` maps it to (one tuple per add, and a heap
+    entry is live exactly when it is that object: each add's sequence number is its own).
     """
 
     __slots__ = ("_heap", "_live", "_seq", "blocks")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, Hashable]] = []
-        self._live: dict[Hashable, tuple[float, int, int]] = {}
+        self._heap: list[tuple[float, int, int, Hashable]] = []  # (expires_at, -blocks, sequence, key)
+        self._live: dict[Hashable, tuple[float, int, int, Hashable]] = {}  # key -> its live heap entry
         self._seq = 0
         self.blocks = 0  # total retained blocks
 
@@ -85,12 +87,12 @@ class RetainedPool:
     def add(self, key: Hashable, blocks: int, expires_at: float) -> None:
         if blocks <= 0:
             raise ValueError(f"retained blocks must be > 0, got {blocks}")
-        self.discard(key)
+        if key in self._live:  # a replaced holder (discard's call only then: once per finished turn)
+            self.discard(key)
         self._seq += 1
-        entry = (expires_at, -blocks, self._seq)
-        self._live[key] = entry
+        self._live[key] = entry = (expires_at, -blocks, self._seq, key)
         self.blocks += blocks
-        heapq.heappush(self._heap, (*entry, key))
+        heapq.heappush(self._heap, entry)
 
     def discard(self, key: Hashable) -> int:
         """Forget ``key``; returns the blocks it held (0 if absent)."""
@@ -110,18 +112,19 @@ class RetainedPool:
         """Remove and return every holder whose expiry is at or before ``now``."""
         out = []
         while self._heap and self._heap[0][0] <= now:
-            exp, neg_blocks, seq, key = heapq.heappop(self._heap)
-            if self._live.get(key) == (exp, neg_blocks, seq):
+            entry = heapq.heappop(self._heap)
+            key = entry[3]
+            if self._live.get(key) is entry:
                 del self._live[key]
-                self.blocks += neg_blocks
-                out.append((key, -neg_blocks))
+                self.blocks += entry[1]
+                out.append((key, -entry[1]))
         return out
 
     def next_expiry(self) -> float | None:
         while self._heap:
-            exp, neg_blocks, seq, key = self._heap[0]
-            if self._live.get(key) == (exp, neg_blocks, seq):
-                return exp
+            entry = self._heap[0]
+            if self._live.get(entry[3]) is entry:
+                return entry[0]
             heapq.heappop(self._heap)
         return None
 
@@ -140,16 +143,16 @@ class RetainedPool:
         # walk the heap lazily without mutating it: a small frontier heap of indices
         frontier = [(self._heap[0], 0)] if self._heap else []
         while frontier:
-            (exp, neg_blocks, seq, key), i = heapq.heappop(frontier)
-            if self._live.get(key) == (exp, neg_blocks, seq):
-                yield key, -neg_blocks
+            entry, i = heapq.heappop(frontier)
+            if self._live.get(entry[3]) is entry:
+                yield entry[3], -entry[1]
             for child in (2 * i + 1, 2 * i + 2):
                 if child < len(self._heap):
                     heapq.heappush(frontier, (self._heap[child], child))
 
     def holders(self) -> list[BlockHolder]:
-        return [BlockHolder(k, -nb, exp) for k, (exp, nb, _) in self._live.items()]
+        return [BlockHolder(k, -nb, exp) for k, (exp, nb, _, _) in self._live.items()]
 
     def _compact(self) -> None:
-        self._heap = [(*e, k) for k, e in self._live.items()]
+        self._heap = list(self._live.values())
         heapq.heapify(self._heap)

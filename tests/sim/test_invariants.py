@@ -90,9 +90,9 @@ class Reads:
     def _watch(self, d) -> None:
         retain, renew, begin_read = d._retain, d.renew, d.begin_read
 
-        def watched_retain(key, tokens, revision, blocks, now, expires_at):
+        def watched_retain(key, tokens, revision, blocks, now, expires_at, turn):
             self.retains[(d.name, key)].append((now, expires_at, getattr(d.retention, "ttl_s", None)))
-            return retain(key, tokens, revision, blocks, now, expires_at)
+            return retain(key, tokens, revision, blocks, now, expires_at, turn)
 
         def watched_renew(key, now):
             renewed = renew(key, now)
