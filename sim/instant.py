@@ -48,7 +48,8 @@ class Timer:
     __slots__ = ("callbacks",)
     _ok = True
     _value = None
-    callbacks: list[Callable[[Any], None]]
+    # a tuple, not a list: nothing appends to a timer's callbacks, and the queue loop only iterates them
+    callbacks: tuple[Callable[[Any], None], ...]
 
 
 def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> Timer:
@@ -58,7 +59,7 @@ def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None])
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
     timer = Timer()
-    timer.callbacks = [callback]
+    timer.callbacks = (callback,)
     heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
     return timer
 
@@ -70,7 +71,7 @@ def at(env: simpy.Environment, when: float, callback: Callable[[Any], None], tim
         raise ValueError(f"time {when} is in the past (now {env._now})")
     if timer is None:
         timer = Timer()
-    timer.callbacks = [callback]
+    timer.callbacks = (callback,)
     heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
     return timer
 
