@@ -117,10 +117,18 @@ class _Turn:
         self.d_node = None
         overhead = rec.reuse_overhead_s = node.profile.reuse_overhead_s(rec.pulled_tokens)
         if overhead > 0:
+            env = node.env
+            when = env._now + overhead
+            queue = env._queue
+            # from the pull's end event (start ends an empty pull inline, elapsed 0) this is its last action:
+            # with nothing queued before the overhead's end, its timer would be popped next (sim.instant)
+            if elapsed > 0 and (not queue or queue[0][0] > when):
+                env._now = when
+                self.overhead_paid(None)
+                return
             timer = Timer()  # sim.instant.after's entry, made here (a call less per pull)
             timer.callbacks = (self.overhead_paid,)
-            env = node.env
-            heapq.heappush(env._queue, (env._now + overhead, NORMAL, next(env._eid), timer))
+            heapq.heappush(queue, (when, NORMAL, next(env._eid), timer))
         else:
             node._enqueue(self, rec.pulled_tokens)
 
