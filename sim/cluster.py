@@ -22,7 +22,7 @@ import simpy
 from calibration.profile import LatencyProfile
 from impl.policy import ConversationStore
 from sim.clients import ClientRenewal
-from sim.conversation_client import ConversationClient
+from sim.conversation_client import Arrivals, ConversationClient
 from sim.config import SimConfig
 from sim.decode import DecodeNode
 from sim.instant import after, call_soon, process_now, run
@@ -146,8 +146,7 @@ class Cluster:
                 for _ in range(self.config.num_clients):
                     next_conversation()
             else:
-                for conv in conversations:
-                    ConversationClient(self, conv, lease, None).start()
+                Arrivals(self, conversations, lease)
         call_soon(env, self._sample)  # where a sampling process started now would first run
         until = self.config.max_sim_time_s
         # One run for the whole simulation, with or without a bar, so the clock stops where it would
