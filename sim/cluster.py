@@ -1,10 +1,11 @@
 """Wire a cluster (XpYd) from a config and a profile, drive it with conversations, collect results.
 
-This is the only module that builds things; the event loop is simpy's. Clients are closed loop per
-conversation (:mod:`sim.conversation_client`): a turn is released a think/tool gap after the previous
-one completed (or at its trace arrival time, if later). Under a heartbeat lease a client heartbeats
-after a turn for as long as its renewal behaviour says (:mod:`sim.clients`: while the session is open,
-while a tool call runs, never, or the clairvoyant "until the next turn").
+This is the only module that builds things; the event loop is simpy's queue, stepped by
+:func:`sim.instant.run`. Clients are closed loop per conversation (:mod:`sim.conversation_client`): a
+turn is released a think/tool gap after the previous one completed (or at its trace arrival time, if
+later). Under a heartbeat lease a client heartbeats after a turn for as long as its renewal behaviour
+says (:mod:`sim.clients`: while the session is open, while a tool call runs, never, or the clairvoyant
+"until the next turn").
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import simpy
 from calibration.profile import LatencyProfile
 from impl.policy import ConversationStore
 from sim.clients import ClientRenewal
-from sim.conversation_client import ConversationClient
+from sim.conversation_client import Arrivals, ConversationClient
 from sim.config import SimConfig
 from sim.decode import DecodeNode
-from sim.instant import after, call_soon, process_now
+from sim.instant import after, call_soon, process_now, run
 from sim.interconnect import Interconnect
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
@@ -145,19 +146,15 @@ class Cluster:
                 for _ in range(self.config.num_clients):
                     next_conversation()
             else:
-                for conv in conversations:
-                    ConversationClient(self, conv, lease, None).start()
+                Arrivals(self, conversations, lease)
         call_soon(env, self._sample)  # where a sampling process started now would first run
         until = self.config.max_sim_time_s
-        if progress is not None:
-            # One run() call with or without a bar, so the clock stops where it would without one.
-            # Chunked run(until=now + 60) calls never end: simpy re-queues its stop event, so peek()
-            # never reaches inf; they also stopped the clock on a chunk boundary.
-            env.step = _reporting_step(env, progress)
+        # One run for the whole simulation, with or without a bar, so the clock stops where it would
+        # without one (chunked env.run(until=now + 60) calls never end: simpy re-queues its stop event,
+        # so peek() never reaches inf; they also stopped the clock on a chunk boundary).
         with _young_garbage_only():
-            env.run(until=None if math.isinf(until) else until)
+            run(env, None if math.isinf(until) else until, progress)
         if progress is not None:
-            del env.step
             progress(env.now)
         end = env.now
         for d in self.decode:
@@ -203,21 +200,6 @@ def _young_garbage_only(first_generation_threshold: int = 50_000):
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
-
-
-def _reporting_step(env: simpy.Environment, progress: Callable[[float], None], every: int = 4096) -> Callable[[], None]:
-    """``env.step`` that calls ``progress(now)`` every ``every`` events (simpy has no progress hook)."""
-    step = env.step
-    count = 0
-
-    def reporting_step() -> None:
-        nonlocal count
-        step()
-        count += 1
-        if count % every == 0:
-            progress(env.now)
-
-    return reporting_step
 
 
 def simulate(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile | None = None,

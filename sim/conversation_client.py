@@ -9,12 +9,14 @@ order, without a resume, a generator per turn, or the events a process's start a
 
 from __future__ import annotations
 
+import heapq
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import simpy
+from simpy.events import NORMAL
 
-from sim.instant import after, call_soon
+from sim.instant import Timer, after, call_soon
 from sim.workload.model import Conversation, Lineage
 
 if TYPE_CHECKING:
@@ -70,8 +72,11 @@ class ConversationClient:
 
     def _wait_release(self) -> None:
         env = self.cluster.env
-        if self.release > env._now:
-            after(env, self.release - env._now, self._send)
+        now = env._now
+        if self.release > now:
+            timer = Timer()  # sim.instant.after's entry, made here (a call less per turn)
+            timer.callbacks = (self._send,)
+            heapq.heappush(env._queue, (now + (self.release - now), NORMAL, next(env._eid), timer))
         else:
             self._send()
 
@@ -116,3 +121,39 @@ class ConversationClient:
 
 def _nothing() -> None:
     pass
+
+
+class _Arrival(Timer):
+    """A client's first-turn timer, carrying its client."""
+
+    __slots__ = ("client",)
+
+
+class Arrivals:
+    """Start one client per conversation: each first-turn timer's queue entry (time, priority, sequence
+    number) is drawn where ``ConversationClient.start`` draws it, but goes on simpy's queue only when the
+    entry before it in key order is popped. The queue pops entries in key order and none waiting here
+    comes before the one queued, so everything happens in the same order, on a queue of the
+    conversations in flight instead of all of them (every push and pop costs log n comparisons)."""
+
+    def __init__(self, cluster: "Cluster", conversations: "Sequence[Conversation]", lease: Any) -> None:
+        env = self.env = cluster.env
+        entries = []
+        callbacks = (self._arrive,)
+        for conv in conversations:
+            client = ConversationClient(cluster, conv, lease, None)
+            if conv.start_s > env._now:
+                timer = _Arrival()
+                timer.client, timer.callbacks = client, callbacks
+                entries.append((env._now + (conv.start_s - env._now), NORMAL, next(env._eid), timer))
+            else:
+                client._first_turn()  # as start() does
+        entries.sort(reverse=True)  # the next to queue last (keys are unique: timers are never compared)
+        self._pending = entries
+        if entries:
+            heapq.heappush(env._queue, entries.pop())
+
+    def _arrive(self, timer: _Arrival) -> None:
+        if self._pending:
+            heapq.heappush(self.env._queue, self._pending.pop())
+        timer.client._first_turn()

@@ -6,6 +6,13 @@ running its callbacks right away is the same order of everything, minus one heap
 per simulated turn). Only safe as the last thing an event *callback* does (a timer's): from process
 code the resumed process would run inside the caller's generator, before the caller's next yield.
 
+The same rule one step further (``sim.prefill._Turn.pulled``): a timer set as the very last thing
+an event's processing does, when no queued entry comes before its time, is the entry the queue pops
+next; moving the clock there and running its callback on the spot is the same order of everything
+(the entry's sequence number is not drawn, and numbers only order entries among themselves; ``run``'s
+stop event is a queued entry like any other, so no jump passes it). Each jump nests a call, so the
+callback must get back to the queue before another jump.
+
 Also the cheapest way to put a callback on simpy's queue (``after``, ``call_soon``): the same queue
 entries simpy's own classes make, without their call layers.
 """
@@ -13,10 +20,13 @@ entries simpy's own classes make, without their call layers.
 from __future__ import annotations
 
 import heapq
+import itertools
+import sys
 from typing import Any, Callable
 
 import simpy
-from simpy.events import NORMAL, URGENT
+from simpy.core import StopSimulation
+from simpy.events import NORMAL, URGENT, EventPriority
 
 
 def process_now(event: simpy.Event) -> None:
@@ -45,7 +55,8 @@ class Timer:
     __slots__ = ("callbacks",)
     _ok = True
     _value = None
-    callbacks: list[Callable[[Any], None]]
+    # a tuple, not a list: nothing appends to a timer's callbacks, and the queue loop only iterates them
+    callbacks: tuple[Callable[[Any], None], ...]
 
 
 def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> Timer:
@@ -55,7 +66,7 @@ def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None])
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
     timer = Timer()
-    timer.callbacks = [callback]
+    timer.callbacks = (callback,)
     heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
     return timer
 
@@ -67,7 +78,7 @@ def at(env: simpy.Environment, when: float, callback: Callable[[Any], None], tim
         raise ValueError(f"time {when} is in the past (now {env._now})")
     if timer is None:
         timer = Timer()
-    timer.callbacks = [callback]
+    timer.callbacks = (callback,)
     heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
     return timer
 
@@ -86,3 +97,54 @@ def call_soon(env: simpy.Environment, callback: Callable[[simpy.Event], None]) -
     event._value = None
     event.callbacks.append(callback)
     env.schedule(event, URGENT)
+
+
+def run(env: simpy.Environment, until: float | None = None, progress: Callable[[float], None] | None = None,
+        every: int = 4096) -> None:
+    """``env.run(until)``, and ``progress(now)`` after every ``every`` events: simpy's loop with its
+    ``step`` inlined (no method call per event, a few per simulated turn). The same queue, the same
+    ``until`` event (an urgent one at ``until``, scheduled the way simpy's run schedules it, so the run
+    stops at the same instant and after the same events), the same handling of a failed event."""
+    if until is not None:
+        stop_at = until if isinstance(until, int) else float(until)
+        if stop_at <= env._now:
+            raise ValueError(f"until ({stop_at}) must be greater than the current simulation time")
+        stop = simpy.Event(env)
+        stop._ok = True
+        stop._value = None
+        env.schedule(stop, URGENT, stop_at - env._now)
+        stop.callbacks.append(StopSimulation.callback)
+    try:
+        if progress is None:
+            _steps(env, sys.maxsize)
+        else:
+            while _steps(env, every):
+                progress(env._now)
+    except StopSimulation:
+        pass
+
+
+def _steps(env: simpy.Environment, limit: int) -> bool:
+    """Up to ``limit`` of ``env.step()``, inlined; False once the queue is empty (where ``run`` would
+    return, as simpy's does on its EmptySchedule)."""
+    queue, pop = env._queue, heapq.heappop
+    for _ in itertools.repeat(None, limit):
+        try:
+            env._now, _, _, event = pop(queue)
+        except IndexError:
+            return False
+        # as Environment.step: callbacks taken before they run (no concurrent modification), a stop
+        # re-queues the callbacks it did not run, a failed event nobody defused crashes the run
+        callbacks, event.callbacks = event.callbacks, None
+        try:
+            for callback in callbacks:
+                callback(event)
+        except StopSimulation:
+            event.callbacks = callbacks[callbacks.index(callback) + 1:]
+            env.schedule(event, EventPriority(-1))
+            raise
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+    return True

@@ -21,9 +21,11 @@ sets an earlier timer, leaving the old one to fire as a no-op.
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Callable
 
 import simpy
+from simpy.events import NORMAL
 
 from sim.instant import Timer, after, at, nothing_due_now
 
@@ -37,21 +39,40 @@ class _EndTimer(Timer):
     __slots__ = ("flow",)
 
 
-class _Flow:
-    __slots__ = ("src", "dst", "begins", "remaining", "rate", "since", "end", "timer", "timer_at", "alone",
-                 "moving", "on_end")
+class _BeginTimer(Timer):
+    """A shared flow's start timer (the end of its fixed part), carrying its flow."""
 
-    def __init__(self, src: str, dst: str, nbytes: float, begins: float, on_end: Callable[..., None]) -> None:
-        self.src, self.dst, self.on_end = src, dst, on_end
-        self.begins = begins  # when the fixed part ends and the bytes start to move
-        self.remaining = nbytes  # bytes left at ``since``
-        self.since = begins
-        self.rate = 0.0
-        self.end = 0.0  # when the bytes are all moved, at the current rate
-        self.timer: _EndTimer | None = None  # the one of this flow's timers that is not superseded
-        self.timer_at = 0.0
-        self.alone = True  # no neighbour moves during its window: rate and end fixed from the start
-        self.moving = False  # a shared flow past its fixed part (counted on its NICs)
+    __slots__ = ("flow",)
+
+
+class _Flow:
+    """One transfer, from its start to its done callback. No ``__init__``: ``Interconnect.start`` fills
+    every field itself (a class call with a Python ``__init__`` is a layer more per transfer)."""
+
+    __slots__ = ("net", "nbytes", "started", "on_done", "src", "dst", "begins", "remaining", "rate", "since", "end",
+                 "timer", "timer_at", "alone", "moving")
+    net: "Interconnect"
+    nbytes: float  # as asked (what bytes_moved adds up)
+    started: float  # when asked (what ``on_done`` is told is the elapsed time from)
+    on_done: Callable[[float], None]
+    src: str
+    dst: str
+    begins: float  # when the fixed part ends and the bytes start to move
+    remaining: float  # bytes left at ``since``
+    since: float
+    rate: float
+    end: float  # when the bytes are all moved, at the current rate
+    timer: "_EndTimer | None"  # the one of this flow's end timers that is not superseded
+    timer_at: float
+    alone: bool  # no neighbour moves during its window: rate and end fixed from the start
+    moving: bool  # a shared flow past its fixed part (counted on its NICs)
+
+    def done(self, _timer: object = None) -> None:
+        """The transfer ended: count it, then tell the caller how long it took."""
+        net = self.net
+        net.bytes_moved += self.nbytes
+        net.transfers += 1
+        self.on_done(net.env._now - self.started)
 
 
 def _window_meets(flow: _Flow, others: list[_Flow]) -> bool:
@@ -70,6 +91,8 @@ class Interconnect:
         self._on_nic: collections.defaultdict[str, list[_Flow]] = collections.defaultdict(list)  # started, not ended
         self._moving: collections.Counter[str] = collections.Counter()  # shared flows moving, per NIC
         self._alone_rate = self._rate_at(1, 1)
+        # every end timer's callbacks, shared (the queue loop only iterates them): no list per timer
+        self._end_callbacks = (self._on_timer,)
         self.bytes_moved = 0.0
         self.transfers = 0
 
@@ -77,32 +100,38 @@ class Interconnect:
         """Move ``nbytes`` from ``src`` to ``dst``; ``on_done(elapsed seconds)`` runs from the event that
         ends the transfer (no process needed)."""
         env = self.env
-        start = env._now
-
-        def finish(_event: object = None) -> None:
-            self.bytes_moved += nbytes
-            self.transfers += 1
-            on_done(env._now - start)
-
+        now = env._now
+        flow = _Flow()
+        flow.net, flow.nbytes, flow.started, flow.on_done = self, nbytes, now, on_done
         if nbytes <= 0:
             if fixed_s > 0:
-                after(env, fixed_s, finish)
+                after(env, fixed_s, flow.done)
             else:
-                finish()
+                flow.done()
             return
-        flow = _Flow(src, dst, float(nbytes), start + fixed_s, finish)
-        flow.rate = self._alone_rate
-        flow.end = flow.begins + flow.remaining / flow.rate  # if alone: no neighbour moves while it does
+        flow.src, flow.dst = src, dst
+        begins = flow.begins = flow.since = now + fixed_s
+        remaining = flow.remaining = float(nbytes)
+        rate = flow.rate = self._alone_rate
+        end = flow.end = begins + remaining / rate  # if alone: no neighbour moves while it does
+        flow.alone, flow.moving = True, False
         on_src, on_dst = self._on_nic[src], self._on_nic[dst]
         alone = not (on_src or on_dst) or not _window_meets(flow, on_src + on_dst)
         on_src.append(flow)
         on_dst.append(flow)
         if alone:
-            self._arm(flow)
+            # _arm's entry, made here: most transfers are alone, and their end is their one event
+            timer = flow.timer = _EndTimer()
+            timer.flow, timer.callbacks = flow, self._end_callbacks
+            flow.timer_at = end
+            if end < now:
+                raise ValueError(f"time {end} is in the past (now {now})")
+            heapq.heappush(env._queue, (end, NORMAL, next(env._eid), timer))
             return
+        flow.timer, flow.timer_at = None, 0.0
         self._unalone(flow)
         if fixed_s > 0:
-            at(env, flow.begins, lambda _timer: self._begin(flow))
+            self._begin_at(flow)
         else:
             self._begin(flow)
 
@@ -127,8 +156,14 @@ class Interconnect:
             self._moving[flow.src] += 1
             self._moving[flow.dst] += 1
         else:
-            at(self.env, flow.begins, lambda _timer: self._begin(flow))
+            self._begin_at(flow)
         self._unalone(flow)
+
+    def _begin_at(self, flow: _Flow) -> None:
+        at(self.env, flow.begins, self._on_begin_timer, _BeginTimer()).flow = flow
+
+    def _on_begin_timer(self, timer: _BeginTimer) -> None:
+        self._begin(timer.flow)
 
     def _begin(self, flow: _Flow) -> None:
         """A shared flow's fixed part ends: it moves, and slows the flows it now shares a NIC with."""
@@ -164,9 +199,11 @@ class Interconnect:
 
     def _arm(self, flow: _Flow) -> None:
         timer = flow.timer = _EndTimer()
-        timer.flow = flow
-        flow.timer_at = flow.end
-        at(self.env, flow.end, self._on_timer, timer)
+        timer.flow, timer.callbacks = flow, self._end_callbacks
+        end = flow.timer_at = flow.end
+        if end < self.env._now:
+            raise ValueError(f"time {end} is in the past (now {self.env._now})")
+        heapq.heappush(self.env._queue, (end, NORMAL, next(self.env._eid), timer))
 
     def _on_timer(self, timer: _EndTimer) -> None:
         flow = timer.flow
@@ -187,6 +224,6 @@ class Interconnect:
             self._moving[flow.dst] -= 1
             self._rerate_neighbours(flow)
         if nothing_due_now(self.env):
-            flow.on_end()  # this timer's last action, where the flow's done event would run
+            flow.done()  # this timer's last action, where the flow's done event would run
         else:
-            after(self.env, 0, flow.on_end)  # the queue entry the flow's done event had
+            after(self.env, 0, flow.done)  # the queue entry the flow's done event had

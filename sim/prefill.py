@@ -13,13 +13,15 @@ budget (chunked prefill) and charges each step from the profile.
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
+from simpy.events import NORMAL
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.instant import after, nothing_due_now
+from sim.instant import Timer, after, nothing_due_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -86,19 +88,26 @@ class PrefixCache:
 
 class _Turn:
     """One turn on a prefill node, from its decision to its last chunk. Its bound methods are the
-    callbacks the pull, the reuse overhead and the engine loop run, so a turn builds no closures."""
+    callbacks the pull, the reuse overhead and the engine loop run, so a turn builds no closures.
+    No ``__init__``: ``PrefillNode.serve`` fills it (a class call with a Python ``__init__`` is a
+    layer more per turn); ``remaining``, ``context``, ``take`` and ``enqueued_at`` are set when queued."""
 
     __slots__ = ("node", "rec", "conv_key", "revision", "shared_prefix_tokens", "on_done", "local_hit", "d_node",
                  "remaining", "context", "take", "enqueued_at", "started_at", "fixed_done_s")
-
-    def __init__(self, node: "PrefillNode", rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
-                 on_done: Callable[[], None], local_hit: int) -> None:
-        self.node, self.rec, self.conv_key, self.revision = node, rec, conv_key, revision
-        self.shared_prefix_tokens, self.on_done, self.local_hit = shared_prefix_tokens, on_done, local_hit
-        self.d_node: "DecodeNode | None" = None  # the D it pulls from, while it pulls
-        self.remaining = self.context = self.take = 0  # tokens left to compute, tokens cached, this step's chunk
-        self.enqueued_at, self.started_at = 0.0, -1.0
-        self.fixed_done_s = 0.0  # fixed prefill work already done while its pull was set up
+    node: "PrefillNode"
+    rec: "TurnRecord"
+    conv_key: Any
+    revision: int
+    shared_prefix_tokens: int
+    on_done: Callable[[], None]
+    local_hit: int
+    d_node: "DecodeNode | None"  # the D it pulls from, while it pulls
+    remaining: int  # tokens left to compute
+    context: int  # tokens cached
+    take: int  # this step's chunk
+    enqueued_at: float
+    started_at: float  # -1.0 until its first step
+    fixed_done_s: float  # fixed prefill work already done while its pull was set up
 
     def pulled(self, elapsed: float) -> None:
         """The pull ended: release D's blocks, then pay the reuse overhead before computing the rest."""
@@ -108,7 +117,18 @@ class _Turn:
         self.d_node = None
         overhead = rec.reuse_overhead_s = node.profile.reuse_overhead_s(rec.pulled_tokens)
         if overhead > 0:
-            after(node.env, overhead, self.overhead_paid)
+            env = node.env
+            when = env._now + overhead
+            queue = env._queue
+            # from the pull's end event (start ends an empty pull inline, elapsed 0) this is its last action:
+            # with nothing queued before the overhead's end, its timer would be popped next (sim.instant)
+            if elapsed > 0 and (not queue or queue[0][0] > when):
+                env._now = when
+                self.overhead_paid(None)
+                return
+            timer = Timer()  # sim.instant.after's entry, made here (a call less per pull)
+            timer.callbacks = (self.overhead_paid,)
+            heapq.heappush(queue, (when, NORMAL, next(env._eid), timer))
         else:
             node._enqueue(self, rec.pulled_tokens)
 
@@ -141,6 +161,7 @@ class PrefillNode:
         self._idle = True  # no step in flight and no wake-up queued
         self._step: list[_Turn] = []  # the turns of the step in flight (a prefix of the queue)
         self._step_s = 0.0
+        self._end_step_callbacks = (self._end_step,)  # every step timer's (nothing appends to them)
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
@@ -158,7 +179,10 @@ class PrefillNode:
         local_hit = (self.cache.hit_tokens(conv_key, revision, n, shared_prefix_tokens, lineage, rec.turn)
                      if self.cache else 0)
         rec.p_local_hit_tokens = local_hit
-        turn = _Turn(self, rec, conv_key, revision, shared_prefix_tokens, on_done, local_hit)
+        turn = _Turn()
+        turn.node, turn.rec, turn.conv_key, turn.revision = self, rec, conv_key, revision
+        turn.shared_prefix_tokens, turn.on_done, turn.local_hit = shared_prefix_tokens, on_done, local_hit
+        turn.d_node, turn.started_at, turn.fixed_done_s = None, -1.0, 0.0
         if remote is not None:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
@@ -236,7 +260,13 @@ class PrefillNode:
             step.append(turn)
             budget -= take
         step_s = self._step_s = self.profile.prefill_step_s(chunks) - hidden
-        after(self.env, step_s, self._end_step)
+        if step_s < 0:
+            raise ValueError(f"negative delay {step_s}")
+        # sim.instant.after's entry, made here (a call less per step); the node's callbacks are one tuple
+        timer = Timer()
+        timer.callbacks = self._end_step_callbacks
+        env = self.env
+        heapq.heappush(env._queue, (now + step_s, NORMAL, next(env._eid), timer))
 
     def _end_step(self, _timer: object) -> None:
         env, queue = self.env, self._queue
