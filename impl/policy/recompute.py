@@ -18,6 +18,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from impl.policy.fastinit import frozen_init
+
 
 class TransferPath(enum.Enum):
     """Direction of the read: the reader is always the node that needs the KV."""
@@ -35,6 +37,7 @@ class DecisionReason(enum.Enum):
     RECOMPUTE_CHEAPER = "recompute_cheaper"
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class PullCandidate:
     """What the reading node knows when it decides.
@@ -84,6 +87,7 @@ class PullCandidate:
         return first, stop
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class RecomputeDecision:
     """The choice, the tokens it concerns and why (carried into metrics and simulator traces)."""

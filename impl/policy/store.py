@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from impl.policy.block_ids import BLOCK_IDS, CompactParams
 from impl.policy.continuation import PromptView, continues
+from impl.policy.fastinit import frozen_init
 
 DEFAULT_EXPIRY_MARGIN_S = 5.0
 
@@ -42,6 +43,7 @@ class MissReason(enum.Enum):
     EVICTED = "evicted"  # dropped by the LRU bound
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class ConversationEntry:
     decode_instance: str
@@ -61,6 +63,7 @@ def guard_passes(entry: ConversationEntry, prompt: PromptView) -> bool:
     return entry.held_digest is None or continues(prompt, entry.held_len, entry.held_digest)
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Lookup:
     entry: ConversationEntry | None

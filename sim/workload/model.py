@@ -17,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from impl.policy.fastinit import frozen_init
 
+
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Turn:
     prompt_tokens: int  # whole context sent this turn (shared prefix + history + new input)
@@ -37,6 +40,7 @@ class Turn:
     reuse_agreement_tokens: int | None = None
 
 
+@frozen_init  # one per conversation: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Conversation:
     conversation_id: str
