@@ -68,7 +68,9 @@ class PullCandidate:
     @property
     def reusable_tokens(self) -> int:
         """vLLM's ``count``; negative means the local cache covers more than the peer holds."""
-        return min(self.remote_num_tokens, self.prompt_tokens) - self.aligned_local_hit
+        # aligned_local_hit inline: read on every request (a property less each time)
+        block = self.block_size
+        return min(self.remote_num_tokens, self.prompt_tokens) - self.local_hit_tokens // block * block
 
     def peer_block_span(self, tokens: int) -> tuple[int, int]:
         """``(first, stop)``: indices of the peer's blocks that hold the ``tokens`` pulled after the local hit.
