@@ -104,10 +104,12 @@ class LatencyProfile:
     def prefill_step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """One prefill forward pass over ``(new_tokens, cached_context_tokens)`` chunks."""
         work = 0.0
+        window = self.attn_window_tokens
         for n, c in chunks:
-            work += (self.prefill_per_token_s * n
-                     + self.prefill_attn_s * windowed_pairs(n, c, self.attn_window_tokens)
-                     + self.prefill_index_s * causal_pairs(n, c))
+            pairs = causal_pairs(n, c)
+            # dense attention (window 0) attends every causal pair: windowed_pairs would return these
+            attended = pairs if window <= 0 else windowed_pairs(n, c, window)
+            work += self.prefill_per_token_s * n + self.prefill_attn_s * attended + self.prefill_index_s * pairs
         return self.prefill_fixed_s + work
 
     def compute_s(self, new_tokens: int, cached_context_tokens: int) -> float:
@@ -144,7 +146,7 @@ class LatencyProfile:
     def ttft_overhead_s(self, prompt_tokens: int, reused_tokens: int) -> float:
         """Client-visible time beyond P's queue, prefill and the P->D transfer (>= 0)."""
         return (self.ttft_overhead_fixed_s + self.ttft_overhead_per_prompt_token_s * prompt_tokens
-                + self.ttft_overhead_per_reused_byte_s * self.transfer_bytes(reused_tokens))
+                + self.ttft_overhead_per_reused_byte_s * (reused_tokens * self.kv_bytes_per_token))  # transfer_bytes
 
     # --- decode --------------------------------------------------------------------------------
     def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:

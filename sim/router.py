@@ -39,6 +39,10 @@ class SyntheticPrompt(NamedTuple):
         return f"{self.conversation}\x00{self.revision}"
 
 
+# SyntheticPrompt._make without its Python layer: the named tuple built in C (one per turn)
+_new_prompt = tuple.__new__
+
+
 class Router:
     def __init__(self, env: simpy.Environment, prefill: list["PrefillNode"], decode: list["DecodeNode"],
                  store: ConversationStore, p_placement: Any, d_placement: Any, rng: random.Random,
@@ -98,15 +102,15 @@ class Router:
             last[0].retention.observe_gap(now - last[1])
         remote = None
         if self.bidirectional:
-            found = self.store.lookup(key[0], key[1], SyntheticPrompt(key[1], revision, n), now)
-            entry = found.entry
-            if entry is not None:
+            # the entry or why it missed, without a Lookup around it (one per turn)
+            found = self.store.lookup_entry(key[0], key[1], _new_prompt(SyntheticPrompt, (key[1], revision, n)), now)
+            if type(found) is ConversationEntry:
                 rec.store_hit = True
-                params = entry.kv_params
-                remote = (self._decode_by_name[entry.decode_instance], entry.num_tokens,
+                params = found.kv_params
+                remote = (self._decode_by_name[found.decode_instance], found.num_tokens,
                           params["held_turn"], params["held_prompt_tokens"])
             elif rec.turn > 0:
-                rec.miss_reason = found.miss.value
+                rec.miss_reason = found.value
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
         p_name = self._pick_p(key, n, remote[1] if remote else 0)

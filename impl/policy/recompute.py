@@ -18,6 +18,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from impl.policy.fastinit import frozen_init
+
 
 class TransferPath(enum.Enum):
     """Direction of the read: the reader is always the node that needs the KV."""
@@ -35,6 +37,7 @@ class DecisionReason(enum.Enum):
     RECOMPUTE_CHEAPER = "recompute_cheaper"
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class PullCandidate:
     """What the reading node knows when it decides.
@@ -65,7 +68,9 @@ class PullCandidate:
     @property
     def reusable_tokens(self) -> int:
         """vLLM's ``count``; negative means the local cache covers more than the peer holds."""
-        return min(self.remote_num_tokens, self.prompt_tokens) - self.aligned_local_hit
+        # aligned_local_hit inline: read on every request (a property less each time)
+        block = self.block_size
+        return min(self.remote_num_tokens, self.prompt_tokens) - self.local_hit_tokens // block * block
 
     def peer_block_span(self, tokens: int) -> tuple[int, int]:
         """``(first, stop)``: indices of the peer's blocks that hold the ``tokens`` pulled after the local hit.
@@ -84,6 +89,7 @@ class PullCandidate:
         return first, stop
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class RecomputeDecision:
     """The choice, the tokens it concerns and why (carried into metrics and simulator traces)."""

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from impl.policy.block_ids import BLOCK_IDS, CompactParams
 from impl.policy.continuation import PromptView, continues
+from impl.policy.fastinit import frozen_init
 
 DEFAULT_EXPIRY_MARGIN_S = 5.0
 
@@ -42,6 +43,7 @@ class MissReason(enum.Enum):
     EVICTED = "evicted"  # dropped by the LRU bound
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class ConversationEntry:
     decode_instance: str
@@ -61,6 +63,7 @@ def guard_passes(entry: ConversationEntry, prompt: PromptView) -> bool:
     return entry.held_digest is None or continues(prompt, entry.held_len, entry.held_digest)
 
 
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Lookup:
     entry: ConversationEntry | None
@@ -194,7 +197,16 @@ class ConversationStore:
         return self._bytes
 
     def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
-        self.purge(now)
+        found = self.lookup_entry(tenant, conversation_id, prompt, now)
+        return _MISSES[found] if type(found) is MissReason else Lookup(found, None)
+
+    def lookup_entry(self, tenant: str, conversation_id: str, prompt: PromptView,
+                     now: float) -> ConversationEntry | MissReason:
+        """:meth:`lookup` without the Lookup: the entry on a hit, else why it missed (the same checks,
+        stats and recency update), for a caller that reads one or the other once per request."""
+        # purge's own first test, here: ``now`` still in the bucket swept last (nearly every call)
+        if not -math.inf < now / self._bucket_s < self._swept_below + 1:
+            self.purge(now)
         key = (tenant, conversation_id)
         entry = self._entries.get(key)
         if entry is None:
@@ -204,39 +216,59 @@ class ConversationStore:
             return self._miss(self._gone.get(key, MissReason.UNKNOWN))
         if now >= usable_until(entry.expires_at, self.expiry_margin_s):
             return self._miss(MissReason.EXPIRED)
-        if not guard_passes(entry, prompt):
+        if entry.held_digest is not None and not guard_passes(entry, prompt):
             return self._miss(MissReason.GUARD)
         self._entries.move_to_end(key)
         self.stats.hits += 1
-        return Lookup(entry, None)
+        return entry
 
-    def _miss(self, reason: MissReason) -> Lookup:
+    def _miss(self, reason: MissReason) -> MissReason:
         self.stats.misses[reason] += 1
-        return _MISSES[reason]
+        return reason
 
     def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None:
         """Store the params of a turn D finished successfully, replacing the previous turn's."""
-        self.purge(now)
+        bucket_s = self._bucket_s
+        if not -math.inf < now / bucket_s < self._swept_below + 1:  # purge's own first test (see lookup_entry)
+            self.purge(now)
         key = (tenant, conversation_id)
         until = usable_until(entry.expires_at, self.expiry_margin_s)
         if now >= until:  # born expired: not stored, and the previous turn's entry is superseded
             self._remove(key, None)
             self._remember_gone(key, MissReason.EXPIRED)
             return
-        entry = _compacted(entry)
+        params = entry.kv_params
+        if type(params) is not CompactParams and type(params.get(BLOCK_IDS)) is list:  # what _compacted packs
+            entry = _compacted(entry)
         entries = self._entries
+        unbounded = self.max_bytes is None
         if key in entries:  # the conversation's next turn: its id, tenant and (absent) gone reason stay
-            self._unbook(key)
+            if unbounded and key in self._unsized:
+                # the one bookkeeping _unbook does that matters here is the wheel's (the key stays
+                # unsized: nobody read its size, and the new entry is sized only if someone does)
+                bucket = self._wheel[self._bucket_of[key]]
+                del bucket[key]
+                if not bucket:
+                    del self._wheel[self._bucket_of[key]]
+            else:
+                self._unbook(key)
+                if unbounded:
+                    self._unsized[key] = None
             entries.move_to_end(key)
         else:
             self._gone.pop(key, None)
             self._tenants_per_id[conversation_id] = self._tenants_per_id.get(conversation_id, 0) + 1
+            if unbounded:
+                self._unsized[key] = None
         entries[key] = entry
-        bucket_index = self._bucket_of[key] = self._bucket(until)
-        self._wheel.setdefault(bucket_index, {})[key] = entry
-        if self.max_bytes is None:
-            self._unsized[key] = None
+        # _bucket(until), inline
+        bucket_index = self._bucket_of[key] = 1 << 62 if until == math.inf else math.floor(until / bucket_s)
+        bucket = self._wheel.get(bucket_index)
+        if bucket is None:
+            self._wheel[bucket_index] = {key: entry}
         else:
+            bucket[key] = entry
+        if not unbounded:
             size = self._sizes[key] = entry_bytes(key, entry)
             self._bytes += size
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes

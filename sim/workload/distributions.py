@@ -267,6 +267,28 @@ def sample_count(distribution: Distribution, rng: random.Random, minimum: int = 
     return max(minimum, int(round(distribution.sample(rng))))
 
 
+def count_sampler(distribution: Distribution, minimum: int = 0) -> Callable[[random.Random], int]:
+    """``lambda rng: sample_count(distribution, rng, minimum)``, for a generator drawing a count per turn.
+
+    A UniformInt draws what ``rng.randint`` draws without its three Python layers: CPython's
+    ``randint(low, high)`` is ``randrange(low, high + 1)``, which is ``low + rng._randbelow(width)``
+    (tests/workload/test_distributions.py holds the two to the same draws)."""
+    if type(distribution) is UniformInt and distribution.low >= minimum:
+        low, width = distribution.low, distribution.high - distribution.low + 1
+        return lambda rng: low + rng._randbelow(width)
+    return lambda rng: sample_count(distribution, rng, minimum)
+
+
+def value_sampler(distribution: Distribution) -> Callable[[random.Random], float]:
+    """``distribution.sample``, for a generator drawing a value per turn: an Exponential draws what
+    ``rng.expovariate(1 / mean)`` draws (CPython's formula, held to it by the same test) without the call."""
+    if type(distribution) is Exponential:
+        lambd = 1.0 / distribution.mean
+        log = math.log
+        return lambda rng: -log(1.0 - rng.random()) / lambd
+    return distribution.sample
+
+
 # kind -> (required keys, optional keys) for the table form of parse_distribution
 _TABLE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "constant": (frozenset({"value"}), frozenset()),

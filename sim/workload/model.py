@@ -17,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from impl.policy.fastinit import frozen_init
 
+
+@frozen_init  # built per turn: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Turn:
     prompt_tokens: int  # whole context sent this turn (shared prefix + history + new input)
@@ -37,6 +40,7 @@ class Turn:
     reuse_agreement_tokens: int | None = None
 
 
+@frozen_init  # one per conversation: see impl.policy.fastinit
 @dataclass(frozen=True, slots=True)
 class Conversation:
     conversation_id: str
@@ -54,13 +58,14 @@ def held_tokens(turn: Turn) -> int:
 
 def agreement(previous: Turn, turn: Turn) -> int:
     """Leading tokens of what D holds after ``previous`` that ``turn``'s prompt shares."""
+    held = held_tokens(previous)
     if turn.reuse_agreement_tokens is not None:
         agree = turn.reuse_agreement_tokens
     elif turn.history_revision == previous.history_revision:
-        agree = held_tokens(previous)
+        agree = held
     else:
         agree = 0  # a rewritten history with no stated agreement: what the old all-or-nothing guard assumed
-    return max(0, min(agree, turn.prompt_tokens, held_tokens(previous)))
+    return max(0, min(agree, turn.prompt_tokens, held))
 
 
 class Lineage:
@@ -76,14 +81,18 @@ class Lineage:
     __slots__ = ("prompt_tokens", "agreement")
 
     def __init__(self, turns: Sequence[Turn]) -> None:
-        self.prompt_tokens = tuple(t.prompt_tokens for t in turns)
-        self.agreement = (0,) + tuple(agreement(previous, turn) for previous, turn in zip(turns, turns[1:]))
+        # list comprehensions, not generators: one per conversation, no generator resume per turn
+        self.prompt_tokens = tuple([t.prompt_tokens for t in turns])
+        self.agreement = (0, *[agreement(previous, turn) for previous, turn in zip(turns, turns[1:])])
 
     def held_agreement(self, turn: int, held_turn: int) -> int:
         """Leading tokens of what D held after ``held_turn`` (< ``turn``) that prompt ``turn`` shares."""
-        if not 0 <= held_turn < turn < len(self.agreement):
-            raise ValueError(f"held turn {held_turn} is not before turn {turn} of {len(self.agreement)}")
-        return min(self.agreement[held_turn + 1:turn + 1])
+        agreements = self.agreement
+        if not 0 <= held_turn < turn < len(agreements):
+            raise ValueError(f"held turn {held_turn} is not before turn {turn} of {len(agreements)}")
+        if held_turn == turn - 1:  # the previous turn (nearly always): the chain is one link long
+            return agreements[turn]
+        return min(agreements[held_turn + 1:turn + 1])
 
     def prompt_agreement(self, turn: int, other: int) -> int:
         """Leading tokens of prompt ``other`` (<= ``turn``) that prompt ``turn`` shares."""

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from sim.workload.arrivals import conversations
-from sim.workload.distributions import Constant, Distribution, LogNormal, UniformInt, sample_count
+from sim.workload.distributions import (Constant, Distribution, LogNormal, UniformInt, count_sampler, sample_count,
+                                         value_sampler)
 from sim.workload.model import Conversation, Turn
 from sim.workload.spec import check_generator_fields
 
@@ -58,26 +60,33 @@ def generate(config: SyntheticMultiTurnConfig, rng_workload: random.Random,
              rng_gaps: random.Random) -> list[Conversation]:
     """The conversations of one run, in start order; same config and stream states, same list."""
     common_prefix = sample_count(config.common_prefix_tokens, rng_workload)
+    # the per-turn draws, resolved once for the run (the same draws as sample_count and .sample)
+    draws = (count_sampler(config.user_tokens, minimum=1), count_sampler(config.output_tokens, minimum=1),
+             value_sampler(config.inter_turn_gap_s))
     return conversations(config.num_conversations, config.arrival_rate_per_s, rng_workload, rng_gaps, "synthetic",
-                         common_prefix, lambda tokens_rng, gaps_rng: _turns(config, common_prefix, tokens_rng, gaps_rng))
+                         common_prefix,
+                         lambda tokens_rng, gaps_rng: _turns(config, common_prefix, tokens_rng, gaps_rng, draws))
 
 
 def _turns(config: SyntheticMultiTurnConfig, common_prefix: int, tokens_rng: random.Random,
-           gaps_rng: random.Random) -> tuple[Turn, ...]:
+           gaps_rng: random.Random, draws: tuple[Callable[[random.Random], int], Callable[[random.Random], int],
+                                                 Callable[[random.Random], float]]) -> tuple[Turn, ...]:
+    draw_user, draw_output, draw_gap = draws
+    rewrite_prob = config.history_rewrite_prob
     messages = max(2, sample_count(config.messages_per_conversation, tokens_rng))
     turn_count = (messages + 1) // 2
     context = common_prefix + sample_count(config.conversation_prefix_tokens, tokens_rng)
     revision = 0
     turns = []
     for index in range(turn_count):
-        user = sample_count(config.user_tokens, tokens_rng, minimum=1)
-        output = sample_count(config.output_tokens, tokens_rng, minimum=1)
+        user = draw_user(tokens_rng)
+        output = draw_output(tokens_rng)
         gap_s = 0.0
         if index > 0:
             # drawn whatever the probability, so changing it never shifts the token draws
-            if tokens_rng.random() < config.history_rewrite_prob:
+            if tokens_rng.random() < rewrite_prob:
                 revision += 1
-            gap_s = config.inter_turn_gap_s.sample(gaps_rng)
+            gap_s = draw_gap(gaps_rng)
         prompt = context + user
         turns.append(Turn(prompt_tokens=prompt, output_tokens=output, gap_before_s=gap_s,
                           history_revision=revision))

@@ -249,6 +249,21 @@ def test_flood_of_ids_stays_bounded_and_purges():
     assert len(store) == 0 and not store._wheel
 
 
+def test_replacing_an_entry_nobody_sized_moves_its_wheel_slot():
+    """An unbounded store replaces a never-sized entry on its own path (no bytes bookkeeping): the
+    wheel still holds each live entry once, in its latest bucket, and the entry still counts when read."""
+    store = ConversationStore(max_entries=10)
+    for turn in range(5):
+        store.record_success("t", "c", entry([turn], expires_at=100.0 + 10 * turn), now=float(turn))
+    assert [list(b) for b in store._wheel.values()] == [[("t", "c")]]
+    assert store._bucket_of[("t", "c")] == math.floor(usable_until(140.0, store.expiry_margin_s))
+    assert store.bytes == entry_bytes(("t", "c"), store.get("t", "c"))
+    store.record_success("t", "c", entry([9], expires_at=200.0), now=6.0)  # sized now: the other path
+    assert [list(b) for b in store._wheel.values()] == [[("t", "c")]]
+    assert store.bytes == entry_bytes(("t", "c"), store.get("t", "c"))
+    assert store.purge(now=1_000.0) == 1 and not store._wheel
+
+
 def test_an_entry_is_offered_strictly_before_its_usable_end():
     store = ConversationStore(expiry_margin_s=5.0)
     store.record_success("t", "c", entry([1], expires_at=100.0), now=0.0)

@@ -16,8 +16,10 @@ from sim.workload.distributions import (
     LogNormal,
     Uniform,
     UniformInt,
+    count_sampler,
     parse_distribution,
     sample_count,
+    value_sampler,
 )
 
 seeds = st.integers(0, 2**32)
@@ -189,3 +191,23 @@ def test_constant_accepts_exactly_the_finite_non_negative_numbers(value):
     else:
         with pytest.raises(ValueError, match="^f: "):
             parse_distribution(value, "f")
+
+
+@given(low=st.integers(0, 5000), span=st.integers(0, 5000), minimum=st.integers(0, 3), seed=st.integers(0, 2**32))
+def test_a_count_sampler_draws_what_sample_count_draws(low, span, minimum, seed):
+    """count_sampler's UniformInt shortcut (rng._randbelow) against sample_count (rng.randint): same
+    values, same stream left behind; a Python whose randint draws differently fails here."""
+    dist = UniformInt(low, low + span)
+    ours, theirs = random.Random(seed), random.Random(seed)
+    draw = count_sampler(dist, minimum)
+    assert [draw(ours) for _ in range(20)] == [sample_count(dist, theirs, minimum) for _ in range(20)]
+    assert ours.random() == theirs.random()
+
+
+@given(mean=st.floats(1e-3, 1e4), seed=st.integers(0, 2**32))
+def test_a_value_sampler_draws_what_sample_draws(mean, seed):
+    """value_sampler's Exponential formula against rng.expovariate, bit for bit."""
+    for dist in (Exponential(mean), LogNormal.from_mean(mean), Constant(mean)):
+        ours, theirs = random.Random(seed), random.Random(seed)
+        draw = value_sampler(dist)
+        assert [draw(ours) for _ in range(20)] == [dist.sample(theirs) for _ in range(20)]
