@@ -174,9 +174,9 @@ class DecodeNode:
         self._cache[key] = (tokens, revision, blocks, turn)
         self.cached_blocks += blocks
 
-    def _check(self) -> None:
-        used = (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
-                + self.cached_blocks)  # used_blocks, without the property call (a few times per turn)
+    def _check(self, used: int) -> None:
+        """``used``: used_blocks, summed by the caller (which has it at hand: no property call, a few times
+        per turn). Raises if the accounting broke; keeps the peak."""
         if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
                 or self.cached_blocks < 0):
             raise RuntimeError(f"{self.name}: block accounting broken (used {used} of {self.capacity})")
@@ -360,15 +360,8 @@ class DecodeNode:
         waited = self.env._now - arrived_at
         if waited or type(waited) is not float:  # a float 0.0 keeps the record's shared 0.0: a float less per turn
             rec.d_queue_s = waited
-        # self._check(), inline (once per turn)
-        used = (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
-                + self.cached_blocks)
-        if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
-                or self.cached_blocks < 0):
-            self._check()  # raises
-        totals = self.totals
-        if used > totals.peak_used_blocks:
-            totals.peak_used_blocks = used
+        self._check(self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+                    + self.cached_blocks)
         rec.p2d_tokens = p2d = seq.context - hit_tokens
         if p2d > 0:
             # the KV arrives, then the sequence joins (seq.arrived): from the transfer's own event
@@ -467,14 +460,7 @@ class DecodeNode:
             self._segment_crossings = growth + self._unstepped_extra
             self._unstepped_extra = 0
             self.running_blocks += growth
-            used += growth
-            # self._check(), inline
-            if (used > self.capacity or self.running_blocks < 0 or self.arriving_blocks < 0 or self.reading_blocks < 0
-                    or self.cached_blocks < 0):
-                self._check()  # raises
-            totals = self.totals
-            if used > totals.peak_used_blocks:
-                totals.peak_used_blocks = used
+            self._check(used + growth)
             context = self._base_sum + batch * steps
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
