@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from sim.instant import after, call_soon, nothing_due_now, succeed_now
+from sim.instant import after, call_soon, nothing_due_now, run, succeed_now
 
 
 def test_after_runs_where_a_timeout_made_at_the_same_moment_runs():
@@ -64,3 +64,44 @@ def test_succeed_now_processes_on_the_spot_only_when_nothing_else_is_due():
     after(env, 1.0, at_one)
     env.run()
     assert order == ["quiet", "after quiet", "after busy", "due", "busy"]
+
+
+def _world(log: list) -> simpy.Environment:
+    """Processes, timeouts at shared instants and a plain callback: an order for run() to keep."""
+    env = simpy.Environment()
+
+    def worker(name: str, delays: list[float]):
+        for d in delays:
+            yield env.timeout(d)
+            log.append((env.now, name))
+
+    env.process(worker("a", [1, 1, 0, 2.5]))
+    env.process(worker("b", [1, 0, 1, 1]))
+    after(env, 2, lambda _t: log.append((env.now, "timer")))
+    return env
+
+
+def test_run_keeps_simpys_order_and_its_until():
+    for until in (None, 2, 3.5, 100):
+        by_simpy, by_us, progress = [], [], []
+        env = _world(by_simpy)
+        env.run(until=until)
+        ours = _world(by_us)
+        run(ours, until, progress=progress.append, every=2)
+        assert by_us == by_simpy
+        assert ours.now == env.now
+        assert progress and progress == sorted(progress)  # every 2 events, on the clock
+
+
+def test_run_crashes_on_a_failed_event_as_simpy_does():
+    for runner in (lambda env: env.run(), lambda env: run(env)):
+        env = simpy.Environment()
+        env.timeout(1).callbacks.append(lambda _e: env.event().fail(KeyError("boom")))
+        try:
+            runner(env)
+        except KeyError as exc:
+            assert exc.args == ("boom",) and isinstance(exc.__cause__, KeyError)
+        else:
+            raise AssertionError("a failed event nobody defused must crash the run")
+    with pytest.raises(ValueError):
+        run(simpy.Environment(), 0)
