@@ -29,7 +29,7 @@ from sim.instant import after, call_soon, process_now, run
 from sim.interconnect import Interconnect
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
-from sim.records import TurnRecord, summarize
+from sim.records import RecordTable, TurnRecord, fields_of, summarize
 from sim.rng import stream
 from sim.router import Router
 from sim.workload.model import Conversation, Lineage, agreement
@@ -37,7 +37,7 @@ from sim.workload.model import Conversation, Lineage, agreement
 
 @dataclass
 class SimResult:
-    records: list[TurnRecord]
+    records: Sequence[TurnRecord]  # a RecordTable from Cluster.run
     summary: dict
     series: list[tuple[float, str, int, int, int, int]] = field(default_factory=list)  # t, node, running, retained, cached, capacity
     config: SimConfig | None = None
@@ -73,7 +73,8 @@ class Cluster:
             for d in self.decode:
                 d.retention = oracle
                 d.retention_expiry = oracle.expiry_for
-        self.records: list[TurnRecord] = []
+        # every turn's record in arrival order: packed when the turn is over (see send_turn)
+        self.records = RecordTable()
         self.series: list[tuple[float, str, int, int, int, int]] = []
         self._live_clients = 0
         self.renewal = ClientRenewal(config.clients, config.seed)
@@ -110,8 +111,16 @@ class Cluster:
             self._turn_index[key] = index
         turn = conv.turns[index]
         rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env._now)
-        self.records.append(rec)
-        self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, on_done)
+        records = self.records
+        row = records.reserve(rec)
+
+        def done() -> None:
+            # every end of a turn (completed, or rejected by D) runs this once, after the last write to
+            # its record: the table keeps its values instead of the object
+            records.pack(row)
+            on_done()
+
+        self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, done)
         return rec
 
     def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
@@ -171,18 +180,23 @@ class Cluster:
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
         # a conversation's turns are sent in order, so those sent are a prefix: one count per conversation
         # id (tenants pooled, as a set of (id, turn) had them), not a set entry per turn at the run's peak
-        sent: dict[str, int] = {}
-        for rec in self.records:
+        # a turn's record is packed when the turn ends, completed or rejected: only records still held
+        # as objects (the turns in flight) can be unfinished
+        records = self.records
+        for rec in records.held():
             if math.isnan(rec.completion_s) and not rec.rejected:
                 rec.rejected = "unfinished at max_sim_time_s"
-            if rec.turn >= sent.get(rec.conversation, 0):
-                sent[rec.conversation] = rec.turn + 1
+        records.pack_held()
+        sent: dict[str, int] = {}
+        for conversation, index in fields_of(records, "conversation", "turn"):
+            if index >= sent.get(conversation, 0):
+                sent[conversation] = index + 1
         for conv in conversations:
             for index in range(sent.get(conv.conversation_id, 0), len(conv.turns)):
                 turn = conv.turns[index]
                 rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
                 rec.rejected = "not released by max_sim_time_s"
-                self.records.append(rec)
+                records.pack(records.reserve(rec))
 
 
 @contextlib.contextmanager

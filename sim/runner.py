@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 from calibration.profile import LatencyProfile
 from sim.cluster import Cluster, SimResult
 from sim.config import SimConfig
+from sim.records import fields_of
 from sim.workload import VLLM_MULTI_TURN, load_workload
 from sim.workload.model import Conversation
 
@@ -30,7 +31,7 @@ def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfil
         bar = tqdm(total=total, unit="turn", desc="simulate", leave=False)
 
         def update(_now: float) -> None:
-            bar.n = sum(1 for r in cluster.records if not math.isnan(r.completion_s))
+            bar.n = sum(1 for (t,) in fields_of(cluster.records, "completion_s") if not math.isnan(t))
             bar.refresh()
     else:
         bar = tqdm(total=horizon, unit="sim-s", desc="simulate", leave=False)
