@@ -103,9 +103,12 @@ class Cluster:
         after(self.env, self.config.series_interval_s, self._sample)
 
     def send_turn(self, conv: Conversation, index: int, lineage: Lineage | None,
-                  on_done: Callable[[], None]) -> TurnRecord:
-        """Send turn ``index`` of ``conv`` now; ``on_done()`` runs from the event that ends it."""
-        key = (conv.tenant, conv.conversation_id)
+                  on_done: Callable[[], None], key: tuple[str, str] | None = None) -> TurnRecord:
+        """Send turn ``index`` of ``conv`` now; ``on_done()`` runs from the event that ends it. ``key``:
+        the conversation's (tenant, id), if the caller keeps one: the store's and nodes' dicts then all
+        hold that one tuple rather than several turns' equal ones, for as long as the run lasts."""
+        if key is None:
+            key = (conv.tenant, conv.conversation_id)
         if self._tracks_turns:
             self._conversations[key] = conv
             self._turn_index[key] = index

@@ -51,7 +51,7 @@ class ConversationClient:
         self._send()
 
     def _send(self, _event: simpy.Event | None = None) -> None:
-        self.cluster.send_turn(self.conv, self.index, self.lineage, self._turn_done)
+        self.cluster.send_turn(self.conv, self.index, self.lineage, self._turn_done, self.key)
 
     def _turn_done(self) -> None:
         cluster, conv, index = self.cluster, self.conv, self.index
