@@ -139,7 +139,7 @@ def bench_clients(records: Sequence[BenchRecord]) -> int:
 
 
 def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: DeploymentSettings,
-           contention: HostContention = HostContention(), timing: str = "think") -> list[TurnRecord]:
+           contention: HostContention = HostContention(), timing: str = "think") -> Sequence[TurnRecord]:
     """The simulator's records of the same conversations (see :func:`conversations_from_bench`).
 
     With ``pool`` timing the conversations run on a pool of as many clients as the bench had

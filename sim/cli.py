@@ -22,6 +22,7 @@ config.json means blocks are never released by time (what ``--decoder-kv-blocks-
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import dataclasses
 import json
@@ -32,7 +33,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
-from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, percentile
+from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, fields_of, percentile
 from sim.workload import WORKLOAD_HELP, WORKLOAD_KINDS
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
@@ -349,19 +350,32 @@ def _dist(values: Sequence[float]) -> dict[str, Any]:
 
 
 def bucket_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per prompt-length bucket, in increasing length: counts, TTFT of first and of later turns, queueing."""
-    done = [r for r in records if not r.rejected]
-    rows = []
+    """Per prompt-length bucket, in increasing length: counts, TTFT of first and of later turns, queueing.
+    One pass over the records' values (fields_of: no record built from a run's table); each bucket's
+    values in record order, as a pass over the completed turns per bucket had them."""
     edges = list(PROMPT_BUCKETS) + [None]
-    for lo, hi in zip(edges, edges[1:]):
-        inside = [r for r in done if r.prompt_tokens >= lo and (hi is None or r.prompt_tokens < hi)]
-        if not inside:
+    groups: dict[int, tuple[list[float], list[float], list[Any]]] = {}  # bucket -> first, later, [turns, queue]
+    for rejected, prompt_tokens, turn, ttft_s, p_queue_s, d_queue_s in fields_of(
+            records, "rejected", "prompt_tokens", "turn", "ttft_s", "p_queue_s", "d_queue_s"):
+        if rejected or prompt_tokens < 0:  # below the first edge: in no bucket
             continue
-        first = [r.ttft_s for r in inside if r.turn == 0]
-        later = [r.ttft_s for r in inside if r.turn > 0]
-        rows.append({"bucket": bucket_label(lo), "min_tokens": lo, "max_tokens": hi, "turns": len(inside),
+        i = bisect.bisect_right(PROMPT_BUCKETS, prompt_tokens) - 1
+        group = groups.get(i)
+        if group is None:
+            group = groups[i] = ([], [], [0, 0])  # the queue sum starts from the int 0, as sum() did
+        if turn == 0:
+            group[0].append(ttft_s)
+        elif turn > 0:
+            group[1].append(ttft_s)
+        group[2][0] += 1
+        group[2][1] += p_queue_s + d_queue_s
+    rows = []
+    for i in sorted(groups):
+        first, later, (turns, queue) = groups[i]
+        lo, hi = edges[i], edges[i + 1]
+        rows.append({"bucket": bucket_label(lo), "min_tokens": lo, "max_tokens": hi, "turns": turns,
                      "first_turns": _dist(first), "later_turns": _dist(later),
-                     "queue_mean_ms": sum(r.p_queue_s + r.d_queue_s for r in inside) / len(inside) * 1e3})
+                     "queue_mean_ms": queue / turns * 1e3})
     return rows
 
 
@@ -378,7 +392,7 @@ def prefill_needed(summary: dict, records: Sequence[Any], num_prefill: int) -> i
     """Prefill instances that would carry the offered load at TARGET_UTILISATION: P's total busy time
     (all of it is done by the end, however long the queue) over the span in which turns arrived."""
     busy = sum(summary.get("prefill_utilisation", {}).values()) * summary.get("sim_time_s", 0.0)
-    arrivals = [x.arrival_s for x in records if not math.isnan(x.arrival_s)]
+    arrivals = [t for (t,) in fields_of(records, "arrival_s") if not math.isnan(t)]
     span = max(arrivals, default=0.0) - min(arrivals, default=0.0)
     if span <= 0 or busy <= 0:
         return num_prefill + 1
@@ -389,7 +403,20 @@ def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
     """Say when TTFT is about capacity (a saturated P, queueing), not about KV reuse."""
     out = []
     for mode, r in results.items():
-        s, done = r.summary, [x for x in r.records if not x.rejected]
+        s = r.summary
+        # completed turns, queueing and TTFT summed per group in record order (sum() from the int 0 over
+        # each group's turns), read from the table's columns: no record built, no list of them kept
+        groups = {"all turns": [0, 0, 0], "first turns": [0, 0, 0], "later turns": [0, 0, 0]}
+        everyone, first, later = groups.values()
+        for rejected, turn, p_queue, d_queue, ttft in fields_of(r.records, "rejected", "turn", "p_queue_s",
+                                                                "d_queue_s", "ttft_s"):
+            if rejected:
+                continue
+            queued = p_queue + d_queue
+            for group in (everyone, first) if turn == 0 else (everyone, later) if turn > 0 else (everyone,):
+                group[0] += 1
+                group[1] += queued
+                group[2] += ttft
         more = prefill_needed(s, r.records, config.topology.num_prefill)
         busy = {name: u for name, u in s.get("prefill_utilisation", {}).items() if u >= UTILISATION_WARN}
         if busy:
@@ -398,12 +425,11 @@ def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
                        f"add prefill instances (--num-prefill {more} keeps them about {TARGET_UTILISATION:.0%} busy) "
                        "or lower the load")
         # first turns apart: a burst of new conversations can queue while the later turns look fine
-        for which, group in (("all turns", done), ("first turns", [x for x in done if x.turn == 0]),
-                             ("later turns", [x for x in done if x.turn > 0])):
-            if not group:
+        for which, (count, queued, ttft_sum) in groups.items():
+            if not count:
                 continue
-            queue = sum(x.p_queue_s + x.d_queue_s for x in group) / len(group)
-            ttft = sum(x.ttft_s for x in group) / len(group)
+            queue = queued / count
+            ttft = ttft_sum / count
             if ttft > 0 and queue / ttft > QUEUE_SHARE_WARN:
                 out.append(f"[{mode}] {which}: queueing is {queue / ttft:.0%} of mean TTFT ({queue * 1e3:,.0f} of "
                            f"{ttft * 1e3:,.0f} ms), so TTFT here is mostly waiting, not prefill or reuse; add "
@@ -496,7 +522,7 @@ def write_outputs(out: pathlib.Path, result: Any, parquet: bool) -> None:
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError("--parquet needs pyarrow (pip install pyarrow)") from None
-        cols = {f: [getattr(r, f) for r in result.records] for f in RECORD_FIELDS}
+        cols = {f: [v for (v,) in fields_of(result.records, f)] for f in RECORD_FIELDS}
         pq.write_table(pa.table(cols), out / "records.parquet")
 
 
