@@ -156,12 +156,12 @@ class RecordTable(_SequenceABC):
         rows without building records (a summary of a million turns would build a million).
 
         While it runs the table's bytes are exported: reserving a row then raises BufferError."""
+        where = [_PACKED.index(name) for name in names]  # ValueError for a name that is no field
+        n = self._len
         numbers = memoryview(self._numbers)
         floats, ints = numbers.cast("d"), numbers.cast("i")  # a row is _ROW_SIZE // 8 floats, // 4 ints
-        n = self._len
         columns = []
-        for name in names:
-            k = _PACKED.index(name)  # ValueError for a name that is no field
+        for k in where:
             if k < len(_FLOATS):
                 step = _ROW_SIZE // 8
                 columns.append(floats[k:n * step:step])
