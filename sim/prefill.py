@@ -13,15 +13,13 @@ budget (chunked prefill) and charges each step from the profile.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
-from simpy.events import NORMAL
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.instant import Timer, after, nothing_due_now
+from sim.instant import after, at, nothing_due_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -126,9 +124,7 @@ class _Turn:
                 env._now = when
                 self.overhead_paid(None)
                 return
-            timer = Timer()  # sim.instant.after's entry, made here (a call less per pull)
-            timer.callbacks = (self.overhead_paid,)
-            heapq.heappush(queue, (when, NORMAL, next(env._eid), timer))
+            at(env, when, self.overhead_paid)
         else:
             node._enqueue(self, rec.pulled_tokens)
 
@@ -161,7 +157,7 @@ class PrefillNode:
         self._idle = True  # no step in flight and no wake-up queued
         self._step: list[_Turn] = []  # the turns of the step in flight (a prefix of the queue)
         self._step_s = 0.0
-        self._end_step_callbacks = (self._end_step,)  # every step timer's (nothing appends to them)
+        self._end_step_bound = self._end_step  # every step timer's callback, bound once
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
@@ -261,13 +257,7 @@ class PrefillNode:
             step.append(turn)
             budget -= take
         step_s = self._step_s = self.profile.prefill_step_s(chunks) - hidden
-        if step_s < 0:
-            raise ValueError(f"negative delay {step_s}")
-        # sim.instant.after's entry, made here (a call less per step); the node's callbacks are one tuple
-        timer = Timer()
-        timer.callbacks = self._end_step_callbacks
-        env = self.env
-        heapq.heappush(env._queue, (now + step_s, NORMAL, next(env._eid), timer))
+        after(self.env, step_s, self._end_step_bound)
 
     def _end_step(self, _timer: object) -> None:
         env, queue = self.env, self._queue
