@@ -183,11 +183,14 @@ class PrefillNode:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
             verified = verified_tokens_model(remote_tokens, held_prompt, agreeing, n, profile.block_size)
-            candidate = PullCandidate(n, min(remote_tokens, verified), local_hit, profile.block_size,
-                                      TransferPath.DECODE_TO_PREFILL)
+            # min and max written out below: the builtin calls cost more than the comparisons (once per turn)
+            candidate = PullCandidate(n, verified if verified < remote_tokens else remote_tokens, local_hit,
+                                      profile.block_size, TransferPath.DECODE_TO_PREFILL)
             # what P's connector reports (impl/connector/scheduler.py): each count beyond the local hit
-            rec.offered_tokens = max(0, min(remote_tokens, n) - local_hit)
-            rec.verified_tokens = max(0, candidate.reusable_tokens)
+            offered = (n if n < remote_tokens else remote_tokens) - local_hit
+            rec.offered_tokens = offered if offered > 0 else 0
+            reusable = candidate.reusable_tokens
+            rec.verified_tokens = reusable if reusable > 0 else 0
             decision = self.recompute_policy.decide(candidate)
             # ``_value_``: the member's value as Enum stores it (``.value`` is a property: ~1.7k instructions)
             reason = rec.decision_reason = decision.reason._value_
@@ -249,10 +252,12 @@ class PrefillNode:
         for turn in self._queue:
             if budget <= 0:
                 break
-            take = turn.take = min(turn.remaining, budget)
+            remaining = turn.remaining
+            take = turn.take = budget if budget < remaining else remaining  # min(), without the builtin call
             if turn.started_at < 0:
                 turn.started_at = now
-                hidden = max(hidden, turn.fixed_done_s)
+                if turn.fixed_done_s > hidden:
+                    hidden = turn.fixed_done_s
             chunks.append((take, turn.context))
             step.append(turn)
             budget -= take
