@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from sim.workload.model import Lineage
 
 SHARED_PREFIX_KEY = ("", "__shared_prefix__")
+# read once: on CPython 3.11 reading an enum member off its class goes through EnumType's __getattr__
+# hook (~150 ns), and every pull candidate names its path
+_DECODE_TO_PREFILL = TransferPath.DECODE_TO_PREFILL
 
 
 class PrefixCache:
@@ -185,7 +188,7 @@ class PrefillNode:
             verified = verified_tokens_model(remote_tokens, held_prompt, agreeing, n, profile.block_size)
             # min and max written out below: the builtin calls cost more than the comparisons (once per turn)
             candidate = PullCandidate(n, verified if verified < remote_tokens else remote_tokens, local_hit,
-                                      profile.block_size, TransferPath.DECODE_TO_PREFILL)
+                                      profile.block_size, _DECODE_TO_PREFILL)
             # what P's connector reports (impl/connector/scheduler.py): each count beyond the local hit
             offered = (n if n < remote_tokens else remote_tokens) - local_hit
             rec.offered_tokens = offered if offered > 0 else 0
