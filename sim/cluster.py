@@ -140,6 +140,11 @@ class Cluster:
         """``clients``: starts the client processes itself and returns how many (each lowers
         ``_live_clients`` when it exits); turns it never sends are not recorded. Default: one process per
         conversation, or a pool of ``config.num_clients``."""
+        with without_cyclic_gc():  # the summary's lists too: at a million turns they are millions of objects
+            return self._run(conversations, progress, clients)
+
+    def _run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None,
+             clients: Callable[["Cluster", Sequence[Conversation]], int] | None) -> SimResult:
         env = self.env
         self._live_clients = len(conversations)
         if clients is not None:
@@ -164,8 +169,7 @@ class Cluster:
         # One run for the whole simulation, with or without a bar, so the clock stops where it would
         # without one (chunked env.run(until=now + 60) calls never end: simpy re-queues its stop event,
         # so peek() never reaches inf; they also stopped the clock on a chunk boundary).
-        with _young_garbage_only():
-            run(env, None if math.isinf(until) else until, progress)
+        run(env, None if math.isinf(until) else until, progress)
         if progress is not None:
             progress(env.now)
         end = env.now
@@ -203,20 +207,21 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def _young_garbage_only(first_generation_threshold: int = 50_000):
-    """Run with the cyclic GC looking at little: the workload and everything built before the run are
-    frozen out of its scans, and it collects the youngest generation every 50,000 net allocations
-    instead of 700. A run frees what it allocates by reference counting (no cycles per turn: sim/
-    interconnect breaks the one a flow and its timer made), while the records and store entries it keeps
-    are scanned over and over by default: 8-15 % of a run's CPU (benchmarks/sim_speed.py)."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(first_generation_threshold, *thresholds[1:])
+def without_cyclic_gc():
+    """Run with the cyclic GC off, restored as the caller had it. A run frees what it allocates by
+    reference counting (no cycle per turn: tests/sim/test_no_cycles.py; sim/interconnect breaks the one a
+    flow and its timer made), so while it runs the collector only rescans what the run keeps, the
+    records and store entries, over and over. On a million-turn tune point (gc.callbacks, CPU time): 8.3 s
+    of collections with the youngest generation at 50,000 allocations and the workload frozen out of the
+    scans, two full collections among them; off, one collection of 6.5 s once the point's objects are
+    garbage (the cluster is a cycle; what it kept is freed then)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 def simulate(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile | None = None,

@@ -74,9 +74,7 @@ class ConversationClient:
         env = self.cluster.env
         now = env._now
         if self.release > now:
-            timer = Timer()  # sim.instant.after's entry, made here (a call less per turn)
-            timer.callbacks = (self._send,)
-            heapq.heappush(env._queue, (now + (self.release - now), NORMAL, next(env._eid), timer))
+            after(env, self.release - now, self._send)
         else:
             self._send()
 

@@ -342,7 +342,8 @@ class DecodeNode:
             self._released()
             on_done()
             return
-        seq = _Seq(rec, key, revision, n, max(rec.output_tokens - 1, 0), needed + hit_blocks, on_done)
+        steps = rec.output_tokens - 1  # the first token came with the prefill
+        seq = _Seq(rec, key, revision, n, steps if steps > 0 else 0, needed + hit_blocks, on_done)  # max(), no builtin call
         free = self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
                                 + self.cached_blocks)
         if (needed <= free or self._make_room(needed, now)) and not self._waiting_blocks:

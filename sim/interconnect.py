@@ -21,11 +21,9 @@ sets an earlier timer, leaving the old one to fire as a no-op.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import Callable
 
 import simpy
-from simpy.events import NORMAL
 
 from sim.instant import Timer, after, at, nothing_due_now
 
@@ -91,8 +89,7 @@ class Interconnect:
         self._on_nic: collections.defaultdict[str, list[_Flow]] = collections.defaultdict(list)  # started, not ended
         self._moving: collections.Counter[str] = collections.Counter()  # shared flows moving, per NIC
         self._alone_rate = self._rate_at(1, 1)
-        # every end timer's callbacks, shared (the queue loop only iterates them): no list per timer
-        self._end_callbacks = (self._on_timer,)
+        self._on_timer_bound = self._on_timer  # every end timer's callback, bound once
         self.bytes_moved = 0.0
         self.transfers = 0
 
@@ -113,20 +110,15 @@ class Interconnect:
         begins = flow.begins = flow.since = now + fixed_s
         remaining = flow.remaining = float(nbytes)
         rate = flow.rate = self._alone_rate
-        end = flow.end = begins + remaining / rate  # if alone: no neighbour moves while it does
+        flow.end = begins + remaining / rate  # if alone: no neighbour moves while it does
         flow.alone, flow.moving = True, False
         on_src, on_dst = self._on_nic[src], self._on_nic[dst]
         alone = not (on_src or on_dst) or not _window_meets(flow, on_src + on_dst)
         on_src.append(flow)
         on_dst.append(flow)
         if alone:
-            # _arm's entry, made here: most transfers are alone, and their end is their one event
-            timer = flow.timer = _EndTimer()
-            timer.flow, timer.callbacks = flow, self._end_callbacks
-            flow.timer_at = end
-            if end < now:
-                raise ValueError(f"time {end} is in the past (now {now})")
-            heapq.heappush(env._queue, (end, NORMAL, next(env._eid), timer))
+            # most transfers are alone, and their end is their one event
+            self._arm(flow)
             return
         flow.timer, flow.timer_at = None, 0.0
         self._unalone(flow)
@@ -198,12 +190,10 @@ class Interconnect:
                 self._arm(other)
 
     def _arm(self, flow: _Flow) -> None:
-        timer = flow.timer = _EndTimer()
-        timer.flow, timer.callbacks = flow, self._end_callbacks
-        end = flow.timer_at = flow.end
-        if end < self.env._now:
-            raise ValueError(f"time {end} is in the past (now {self.env._now})")
-        heapq.heappush(self.env._queue, (end, NORMAL, next(self.env._eid), timer))
+        """An end timer for ``flow`` at its current end (it supersedes the flow's earlier ones)."""
+        timer = flow.timer = at(self.env, flow.end, self._on_timer_bound, _EndTimer())
+        timer.flow = flow
+        flow.timer_at = flow.end
 
     def _on_timer(self, timer: _EndTimer) -> None:
         flow = timer.flow

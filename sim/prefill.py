@@ -13,15 +13,13 @@ budget (chunked prefill) and charges each step from the profile.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
-from simpy.events import NORMAL
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.instant import Timer, after, nothing_due_now
+from sim.instant import after, at, nothing_due_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
@@ -31,6 +29,9 @@ if TYPE_CHECKING:
     from sim.workload.model import Lineage
 
 SHARED_PREFIX_KEY = ("", "__shared_prefix__")
+# read once: on CPython 3.11 reading an enum member off its class goes through EnumType's __getattr__
+# hook (~150 ns), and every pull candidate names its path
+_DECODE_TO_PREFILL = TransferPath.DECODE_TO_PREFILL
 
 
 class PrefixCache:
@@ -126,9 +127,7 @@ class _Turn:
                 env._now = when
                 self.overhead_paid(None)
                 return
-            timer = Timer()  # sim.instant.after's entry, made here (a call less per pull)
-            timer.callbacks = (self.overhead_paid,)
-            heapq.heappush(queue, (when, NORMAL, next(env._eid), timer))
+            at(env, when, self.overhead_paid)
         else:
             node._enqueue(self, rec.pulled_tokens)
 
@@ -161,7 +160,7 @@ class PrefillNode:
         self._idle = True  # no step in flight and no wake-up queued
         self._step: list[_Turn] = []  # the turns of the step in flight (a prefix of the queue)
         self._step_s = 0.0
-        self._end_step_callbacks = (self._end_step,)  # every step timer's (nothing appends to them)
+        self._end_step_bound = self._end_step  # every step timer's callback, bound once
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
@@ -187,11 +186,14 @@ class PrefillNode:
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
             verified = verified_tokens_model(remote_tokens, held_prompt, agreeing, n, profile.block_size)
-            candidate = PullCandidate(n, min(remote_tokens, verified), local_hit, profile.block_size,
-                                      TransferPath.DECODE_TO_PREFILL)
+            # min and max written out below: the builtin calls cost more than the comparisons (once per turn)
+            candidate = PullCandidate(n, verified if verified < remote_tokens else remote_tokens, local_hit,
+                                      profile.block_size, _DECODE_TO_PREFILL)
             # what P's connector reports (impl/connector/scheduler.py): each count beyond the local hit
-            rec.offered_tokens = max(0, min(remote_tokens, n) - local_hit)
-            rec.verified_tokens = max(0, candidate.reusable_tokens)
+            offered = (n if n < remote_tokens else remote_tokens) - local_hit
+            rec.offered_tokens = offered if offered > 0 else 0
+            reusable = candidate.reusable_tokens
+            rec.verified_tokens = reusable if reusable > 0 else 0
             decision = self.recompute_policy.decide(candidate)
             # ``_value_``: the member's value as Enum stores it (``.value`` is a property: ~1.7k instructions)
             reason = rec.decision_reason = decision.reason._value_
@@ -253,21 +255,17 @@ class PrefillNode:
         for turn in self._queue:
             if budget <= 0:
                 break
-            take = turn.take = min(turn.remaining, budget)
+            remaining = turn.remaining
+            take = turn.take = budget if budget < remaining else remaining  # min(), without the builtin call
             if turn.started_at < 0:
                 turn.started_at = now
-                hidden = max(hidden, turn.fixed_done_s)
+                if turn.fixed_done_s > hidden:
+                    hidden = turn.fixed_done_s
             chunks.append((take, turn.context))
             step.append(turn)
             budget -= take
         step_s = self._step_s = self.profile.prefill_step_s(chunks) - hidden
-        if step_s < 0:
-            raise ValueError(f"negative delay {step_s}")
-        # sim.instant.after's entry, made here (a call less per step); the node's callbacks are one tuple
-        timer = Timer()
-        timer.callbacks = self._end_step_callbacks
-        env = self.env
-        heapq.heappush(env._queue, (now + step_s, NORMAL, next(env._eid), timer))
+        after(self.env, step_s, self._end_step_bound)
 
     def _end_step(self, _timer: object) -> None:
         env, queue = self.env, self._queue

@@ -134,7 +134,13 @@ def verified_tokens_model(held_tokens: int, held_prompt_tokens: int, agreeing_to
     the first ``agreeing_tokens`` equal the reader's prompt of ``prompt_tokens``. Exactly what the
     hash-based check finds (property-tested against it), so simulated and real reuse agree.
     """
-    agree = max(0, min(agreeing_tokens, held_tokens, prompt_tokens))
+    # max(0, min(agreeing_tokens, held_tokens, prompt_tokens)), written out: the builtins' argument
+    # handling costs more than the comparisons (the simulator calls this once per turn)
+    agree = held_tokens if held_tokens < agreeing_tokens else agreeing_tokens
+    if prompt_tokens < agree:
+        agree = prompt_tokens
+    if agree <= 0:
+        agree = 0
     if agree == held_tokens and prompt_tokens >= held_tokens:
         return held_tokens  # the tail digest verifies a faithful continuation to the token
     points = checkpoint_blocks(held_tokens // block_size, [held_prompt_tokens // block_size], dense)

@@ -19,7 +19,7 @@ import enum
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from impl.policy.block_ids import BLOCK_IDS, CompactParams
 from impl.policy.continuation import PromptView, continues
@@ -329,18 +329,24 @@ class ConversationStore:
         if -math.inf < now / self._bucket_s < self._swept_below + 1:
             return 0
         upto = self._bucket(now)  # sweep buckets strictly below this one
-        if upto <= self._swept_below:
+        swept, wheel = self._swept_below, self._wheel
+        if upto <= swept:
             return 0
-        # walk the elapsed buckets, or the occupied ones if fewer (a long idle jump)
-        if upto - self._swept_below <= len(self._wheel):
-            indices = [b for b in range(int(self._swept_below), upto) if b in self._wheel]
+        # walk the elapsed buckets, or the occupied ones if fewer (a long idle jump); most sweeps pass a
+        # second or two of empty buckets, so an empty one costs a dict lookup and no list
+        if upto - swept <= len(wheel):
+            indices: Iterable[int] = range(int(swept), upto)
         else:
-            indices = sorted(b for b in self._wheel if b < upto)
+            indices = sorted(b for b in wheel if b < upto)
         removed = 0
         for b in indices:
-            for key in list(self._wheel.get(b, ())):
-                self._remove(key, MissReason.EXPIRED)
-                removed += 1
+            bucket = wheel.get(b)
+            if bucket:
+                keys = list(bucket)  # _remove empties the bucket (and drops it from the wheel)
+                for key in keys:
+                    self._remove(key, MissReason.EXPIRED)
+                removed += len(keys)
         self._swept_below = upto
-        self.stats.purged += removed
+        if removed:
+            self.stats.purged += removed
         return removed

@@ -53,7 +53,8 @@ class Conversation:
 def held_tokens(turn: Turn) -> int:
     """What D holds after ``turn`` finishes: its prompt and every output token but the last (whose KV
     is never computed), as D's ``remote_num_tokens`` says."""
-    return turn.prompt_tokens + max(turn.output_tokens - 1, 0)
+    output = turn.output_tokens - 1
+    return turn.prompt_tokens + (output if output > 0 else 0)  # max(), without the builtin call (once per turn)
 
 
 def agreement(previous: Turn, turn: Turn) -> int:
@@ -65,7 +66,12 @@ def agreement(previous: Turn, turn: Turn) -> int:
         agree = held
     else:
         agree = 0  # a rewritten history with no stated agreement: what the old all-or-nothing guard assumed
-    return max(0, min(agree, turn.prompt_tokens, held))
+    # max(0, min(agree, turn.prompt_tokens, held)), without the builtin calls (once per turn)
+    if turn.prompt_tokens < agree:
+        agree = turn.prompt_tokens
+    if held < agree:
+        agree = held
+    return agree if agree > 0 else 0
 
 
 class Lineage:
