@@ -33,7 +33,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
-from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, fields_of, percentile
+from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, distribution, fields_of, percentile
 from sim.workload import WORKLOAD_HELP, WORKLOAD_KINDS
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
@@ -343,12 +343,6 @@ def dumps(value: Any) -> str:
     return json.dumps(strict(value), indent=2, allow_nan=False)
 
 
-def _dist(values: Sequence[float]) -> dict[str, Any]:
-    v = sorted(values)
-    return {"n": len(v), "p50_ms": percentile(v, 50) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
-            "p99_ms": percentile(v, 99) * 1e3, "mean_ms": (sum(v) / len(v) * 1e3) if v else math.nan}
-
-
 def bucket_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
     """Per prompt-length bucket, in increasing length: counts, TTFT of first and of later turns, queueing.
     One pass over the records' values (fields_of: no record built from a run's table); each bucket's
@@ -374,7 +368,7 @@ def bucket_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
         first, later, (turns, queue) = groups[i]
         lo, hi = edges[i], edges[i + 1]
         rows.append({"bucket": bucket_label(lo), "min_tokens": lo, "max_tokens": hi, "turns": turns,
-                     "first_turns": _dist(first), "later_turns": _dist(later),
+                     "first_turns": distribution(first), "later_turns": distribution(later),
                      "queue_mean_ms": queue / turns * 1e3})
     return rows
 

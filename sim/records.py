@@ -58,7 +58,12 @@ class TurnRecord:
     @property
     def prefill_s(self) -> float:
         """The published "prefill duration": D->P pull + compute + reuse overhead on P."""
-        return self.d2p_transfer_s + self.prefill_compute_s + self.reuse_overhead_s
+        return prefill_duration_s(self.d2p_transfer_s, self.prefill_compute_s, self.reuse_overhead_s)
+
+
+def prefill_duration_s(d2p_transfer_s: float, prefill_compute_s: float, reuse_overhead_s: float) -> float:
+    """TurnRecord.prefill_s of these fields (for a summary reading them from a table's columns)."""
+    return d2p_transfer_s + prefill_compute_s + reuse_overhead_s
 
 
 RECORD_FIELDS = [f.name for f in fields(TurnRecord)]
@@ -260,7 +265,8 @@ def bucket_label(prompt_tokens: int) -> str:
     return _BUCKET_LABELS[max(bisect.bisect_right(PROMPT_BUCKETS, prompt_tokens) - 1, 0)]
 
 
-def _dist(values: Iterable[float]) -> dict:
+def distribution(values: Iterable[float]) -> dict:
+    """Count, p50/p90/p99 and mean of ``values``, in milliseconds (values in seconds)."""
     return _sorted_dist(sorted(values))
 
 
@@ -301,7 +307,7 @@ def summarize(records: Sequence[TurnRecord], bytes_per_block: float, decode_tota
         if rejected:
             continue
         ttft.append(ttft_s)
-        prefill.append(d2p_s + compute_s + overhead_s)  # TurnRecord.prefill_s, the same sum in the same order
+        prefill.append(prefill_duration_s(d2p_s, compute_s, overhead_s))
         by_bucket.setdefault(bucket_label(prompt_tokens), []).append(ttft_s)
         if turn > 0:
             later += 1
