@@ -287,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     from sim.runner import run_config  # heavy imports only when simulating
 
     config = config_from_args(args)
+    if args.parquet:
+        parquet_modules()  # missing pyarrow fails here, not after minutes of simulation
+        if not args.out:
+            raise ValueError("--parquet writes records.parquet into --out: give --out DIR")
     if args.out:
         prepare_dir(args.out, "--out")
     conversations = load_conversations(config)
@@ -511,13 +515,19 @@ def write_outputs(out: pathlib.Path, result: Any, parquet: bool) -> None:
     (out / "config.json").write_text(json.dumps(strict(dataclasses.asdict(result.config)), indent=2, sort_keys=True,
                                                 default=str, allow_nan=False) + "\n")
     if parquet:
-        try:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError("--parquet needs pyarrow (pip install pyarrow)") from None
+        pa, pq = parquet_modules()
         cols = {f: [v for (v,) in fields_of(result.records, f)] for f in RECORD_FIELDS}
         pq.write_table(pa.table(cols), out / "records.parquet")
+
+
+def parquet_modules() -> tuple[Any, Any]:
+    """pyarrow and pyarrow.parquet, or a clear error naming the flag and the install."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError("--parquet needs pyarrow (pip install 'bidikv[parquet]' or pip install pyarrow)") from None
+    return pa, pq
 
 
 def _cell(value: Any) -> Any:

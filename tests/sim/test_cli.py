@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -183,3 +184,37 @@ def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts(monkeypa
         sim.cli.load_conversations(config)
     monkeypatch.setattr(sim.cli, "available_memory_bytes", lambda: None)  # unknown: no refusal
     assert len(sim.cli.load_conversations(config)) == 50
+
+
+def test_parquet_records_hold_what_records_csv_holds(tmp_path):
+    import pyarrow.parquet as pq  # the 'parquet' extra, which tools/test.sh installs: missing is a failure
+
+    # a clock limit: turns not sent or not finished by then (NaN times, reasons) are rows too
+    out = tmp_path / "run"
+    assert main(["simulate", "--conversations", "8", "--seed", "4", "--max-sim-time-s", "900", "--out", str(out),
+                 "--parquet"]) == 0
+    table = pq.read_table(out / "records.parquet").to_pylist()
+    with open(out / "records.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(table) == len(rows) > 8
+    reasons = {row["rejected"] for row in rows}
+    assert "" in reasons and len(reasons) > 1, reasons  # completed and cut-off turns both
+    for parquet_row, csv_row in zip(table, rows):
+        for field, value in parquet_row.items():
+            # the CSV's cell for each value: repr of a float (nan too), '' for None, str of the rest
+            cell = repr(value) if isinstance(value, float) else "" if value is None else str(value)
+            assert cell == csv_row[field], (field, value, csv_row[field])
+
+
+def test_parquet_without_pyarrow_or_out_fails_before_simulating(tmp_path, monkeypatch, capsys):
+    import sim.runner
+
+    def no_run(*_a, **_k):
+        raise AssertionError("simulated before refusing the flags")
+
+    monkeypatch.setattr(sim.runner, "run_config", no_run)
+    assert main(["simulate", "--conversations", "3", "--parquet"]) == 2
+    assert "--parquet writes records.parquet into --out" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow imports
+    assert main(["simulate", "--conversations", "3", "--out", str(tmp_path / "o"), "--parquet"]) == 2
+    assert "--parquet needs pyarrow" in capsys.readouterr().err
