@@ -32,6 +32,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -108,6 +109,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--topologies", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each size N times (fresh processes, sizes interleaved) and print the medians")
     parser.add_argument("--instructions", type=int, nargs="?", const=1000, default=None, metavar="TURNS",
                         help="count instructions under callgrind instead of timing (see the module docstring)")
     parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
@@ -126,15 +129,29 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
           f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12} {'KB/turn':>8}")
-    for nodes in args.topologies:
-        for turns in args.turns:
-            out = subprocess.run([sys.executable, __file__, "--child", str(turns), str(nodes), "--seed", str(args.seed)],
-                                 check=True, capture_output=True, text=True).stdout
-            r = json.loads(out)
-            print(f"{r['topology']:>9} {r['turns']:>9} {r['wall_s']:>8} {r['turns_per_s']:>9} {r['cpu_turns_per_s']:>12} "
-                  f"{r['events_per_turn']:>12} {r['bare_events_per_s']:>10} {r['bare_events_per_turn']:>13} "
-                  f"{r['peak_rss_mb']:>12} {r['kb_per_turn']:>8}", flush=True)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    runs: dict[tuple[int, int], list[dict]] = {}
+    # one size after another within a round, so a slow spell of the host falls on every size alike
+    for _ in range(args.repeat):
+        for nodes in args.topologies:
+            for turns in args.turns:
+                out = subprocess.run([sys.executable, __file__, "--child", str(turns), str(nodes), "--seed",
+                                      str(args.seed)], check=True, capture_output=True, text=True).stdout
+                r = json.loads(out)
+                runs.setdefault((nodes, turns), []).append(r)
+                print(f"{r['topology']:>9} {r['turns']:>9} {r['wall_s']:>8} {r['turns_per_s']:>9} {r['cpu_turns_per_s']:>12} "
+                      f"{r['events_per_turn']:>12} {r['bare_events_per_s']:>10} {r['bare_events_per_turn']:>13} "
+                      f"{r['peak_rss_mb']:>12} {r['kb_per_turn']:>8}", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} runs (min-max):")
+        for (nodes, turns), rs in runs.items():
+            cells = []
+            for column in ("cpu_turns_per_s", "bare_events_per_s", "bare_events_per_turn"):
+                values = sorted(r[column] for r in rs)
+                cells.append(f"{column} {statistics.median(values):,.1f} ({values[0]:,}-{values[-1]:,})")
+            print(f"{nodes:>3}P{nodes}D {turns:>9} turns: " + ", ".join(cells))
     print(f"issue 15's targets: 1P1D >= {TARGET_TURNS_PER_S[1]:,} turns/s and 64P64D >= {TARGET_TURNS_PER_S[64]:,} on a "
           f"machine running {ISSUE_BARE_EVENTS_PER_S:,.0f} bare events/s, i.e. <= "
           f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} and <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} "
