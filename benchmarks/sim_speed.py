@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-calibration", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.child:
         print(json.dumps(one(args.child[0], args.child[1], args.seed, calibrate=not args.no_calibration)))
         return
@@ -129,8 +131,6 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
           f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12} {'KB/turn':>8}")
-    if args.repeat < 1:
-        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     runs: dict[tuple[int, int], list[dict]] = {}
     # one size after another within a round, so a slow spell of the host falls on every size alike
     for _ in range(args.repeat):
