@@ -125,6 +125,7 @@ class _Arrival(Timer):
     """A client's first-turn timer, carrying its client."""
 
     __slots__ = ("client",)
+    client: ConversationClient
 
 
 class Arrivals:
@@ -149,9 +150,9 @@ class Arrivals:
         entries.sort(reverse=True)  # the next to queue last (keys are unique: timers are never compared)
         self._pending = entries
         if entries:
-            heapq.heappush(env._queue, entries.pop())
+            heapq.heappush(env._queue, entries.pop())  # type: ignore[misc]
 
     def _arrive(self, timer: _Arrival) -> None:
         if self._pending:
-            heapq.heappush(self.env._queue, self._pending.pop())
+            heapq.heappush(self.env._queue, self._pending.pop())  # type: ignore[misc]
         timer.client._first_turn()

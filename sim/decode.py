@@ -52,6 +52,12 @@ class _Seq:
 
     __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "order", "base",
                  "join_step", "done_step", "node")
+    # set when it first joins (declared: sim.native's compiled build allows only declared attributes)
+    order: int
+    base: int
+    join_step: int
+    done_step: int
+    node: "DecodeNode"
 
     def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
                  on_done: Callable[[], None]) -> None:
@@ -249,7 +255,8 @@ class DecodeNode:
         if meta is None:
             return self._fate.get(key, "unknown")
         expires_at = self.retained.expiry(key)
-        if now >= usable_until(expires_at, self.margin):  # vLLM's P declines reads this close to expiry
+        # vLLM's P declines reads this close to expiry (``expires_at``: retained, so not None)
+        if now >= usable_until(expires_at, self.margin):  # type: ignore[arg-type]
             return "expired"
         blocks = self.retained.discard(key)
         del self._retained_meta[key]
@@ -621,7 +628,7 @@ class DecodeNode:
         seq.blocks = needed
         ready = self.env.event()
         self._waiting_blocks.append((needed, ready))
-        ready.callbacks.append(lambda _e, s=seq: self._rejoin(s))
+        ready.callbacks.append(lambda _e, s=seq: self._rejoin(s))  # type: ignore[misc]
         self._released()
 
     def _rejoin(self, seq: _Seq) -> None:
@@ -688,7 +695,8 @@ class DecodeNode:
             if defer and len(finished) == 1 and (not queue or queue[0][0] > now):
                 deferred = seq.on_done
             else:
-                after(self.env, 0, lambda _event, s=seq: s.on_done())  # queued as a done event would be
+                # queued as a done event would be
+                after(self.env, 0, lambda _event, s=seq: s.on_done())  # type: ignore[misc]
         if self._waiting_blocks:
             self._released()
         return deferred

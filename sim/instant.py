@@ -34,7 +34,7 @@ def process_now(event: simpy.Event) -> None:
     The caller has checked that the queue would have processed ``event`` next."""
     event._ok = True
     event._value = None
-    callbacks, event.callbacks = event.callbacks, None
+    callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]  # as simpy's step does
     for callback in callbacks:
         callback(event)
 
@@ -55,8 +55,9 @@ class Timer:
     __slots__ = ("callbacks",)
     _ok = True
     _value = None
-    # a tuple, not a list: nothing appends to a timer's callbacks, and the queue loop only iterates them
-    callbacks: tuple[Callable[[Any], None], ...]
+    # a tuple, not a list: nothing appends to a timer's callbacks, and the queue loop only iterates them;
+    # None once popped, as an Event's (Any: under sim.native's compiled build a declared type is checked)
+    callbacks: Any
 
 
 def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None]) -> Timer:
@@ -67,7 +68,7 @@ def after(env: simpy.Environment, delay: float, callback: Callable[[Any], None])
         raise ValueError(f"negative delay {delay}")
     timer = Timer()
     timer.callbacks = (callback,)
-    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))
+    heapq.heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), timer))  # type: ignore[misc]
     return timer
 
 
@@ -79,7 +80,7 @@ def at(env: simpy.Environment, when: float, callback: Callable[[Any], None], tim
     if timer is None:
         timer = Timer()
     timer.callbacks = (callback,)
-    heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))
+    heapq.heappush(env._queue, (when, NORMAL, next(env._eid), timer))  # type: ignore[misc]
     return timer
 
 
@@ -128,6 +129,9 @@ def _steps(env: simpy.Environment, limit: int) -> bool:
     """Up to ``limit`` of ``env.step()``, inlined; False once the queue is empty (where ``run`` would
     return, as simpy's does on its EmptySchedule)."""
     queue, pop = env._queue, heapq.heappop
+    # a simpy Event or a Timer (Any: the compiled build would check an Event's list of callbacks)
+    event: Any
+    callbacks: Any
     for _ in itertools.repeat(None, limit):
         try:
             env._now, _, _, event = pop(queue)

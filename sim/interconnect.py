@@ -35,12 +35,14 @@ class _EndTimer(Timer):
     """A flow's end timer: it carries its flow, so one bound method serves every flow's timers."""
 
     __slots__ = ("flow",)
+    flow: _Flow
 
 
 class _BeginTimer(Timer):
     """A shared flow's start timer (the end of its fixed part), carrying its flow."""
 
     __slots__ = ("flow",)
+    flow: _Flow
 
 
 class _Flow:
@@ -152,7 +154,9 @@ class Interconnect:
         self._unalone(flow)
 
     def _begin_at(self, flow: _Flow) -> None:
-        at(self.env, flow.begins, self._on_begin_timer, _BeginTimer()).flow = flow
+        timer = _BeginTimer()
+        timer.flow = flow
+        at(self.env, flow.begins, self._on_begin_timer, timer)
 
     def _on_begin_timer(self, timer: _BeginTimer) -> None:
         self._begin(timer.flow)
@@ -191,8 +195,9 @@ class Interconnect:
 
     def _arm(self, flow: _Flow) -> None:
         """An end timer for ``flow`` at its current end (it supersedes the flow's earlier ones)."""
-        timer = flow.timer = at(self.env, flow.end, self._on_timer_bound, _EndTimer())
+        timer = flow.timer = _EndTimer()
         timer.flow = flow
+        at(self.env, flow.end, self._on_timer_bound, timer)
         flow.timer_at = flow.end
 
     def _on_timer(self, timer: _EndTimer) -> None:

@@ -114,7 +114,7 @@ class _Turn:
         """The pull ended: release D's blocks, then pay the reuse overhead before computing the rest."""
         rec, node = self.rec, self.node
         rec.d2p_transfer_s = elapsed
-        self.d_node.end_read(self.conv_key, node.env._now)
+        self.d_node.end_read(self.conv_key, node.env._now)  # type: ignore[union-attr]  # set: it read from D
         self.d_node = None
         overhead = rec.reuse_overhead_s = node.profile.reuse_overhead_s(rec.pulled_tokens)
         if overhead > 0:

@@ -61,11 +61,12 @@ class Router:
         self._d_snaps: list[InstanceLoad | None] = []
         # A pool of one has no choice to make: every placement policy picks its one (always healthy)
         # node without drawing from ``rng``, so the router neither asks the policy nor follows the load.
-        self._sole_p = prefill[0].name if len(prefill) == 1 else None
+        self._sole_p: str | None = prefill[0].name if len(prefill) == 1 else None
         self._sole_d: str | None = None
         # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
         # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
-        self._p_index = self._d_index = None
+        self._p_index: LeastLoadedIndex | None = None
+        self._d_index: LeastLoadedIndex | None = None
         self._p_dirty: set[PrefillNode] = set()
         self._d_dirty: set[DecodeNode] = set()
         self._indexed: dict[Any, Any] = {}  # node -> what the index holds of its load
@@ -110,7 +111,8 @@ class Router:
                 remote = (self._decode_by_name[found.decode_instance], found.num_tokens,
                           params["held_turn"], params["held_prompt_tokens"])
             elif rec.turn > 0:
-                rec.miss_reason = found._value_  # what ``.value`` returns, without the property (~1.7k instructions)
+                # what ``.value`` returns, without the property (~1.7k instructions)
+                rec.miss_reason = found._value_  # type: ignore[union-attr]
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
         p_name = self._pick_p(key, n, remote[1] if remote else 0)
@@ -144,7 +146,7 @@ class Router:
                 indexed[p] = p.queued_tokens
                 index.update_load(p.name, queued_prefill_tokens=p.queued_tokens)
         self._p_dirty.clear()
-        return index.pick(self.rng)
+        return index.pick(self.rng)  # type: ignore[return-value]  # every node is healthy
 
     def _pick_d(self, prompt_tokens: int, block_size: int) -> str:
         if self._sole_d is not None:
@@ -160,7 +162,7 @@ class Router:
                 indexed[d] = load
                 index.update_load(d.name, running_requests=load[0], used_blocks=load[1], total_blocks=d.capacity)
         self._d_dirty.clear()
-        return index.pick(self.rng)
+        return index.pick(self.rng)  # type: ignore[return-value]  # every node is healthy
 
     # -- load snapshots for the other placement policies -------------------------------------------
     # Building a frozen InstanceLoad per node per turn was most of a 64P64D run, so a node's snapshot
@@ -168,9 +170,9 @@ class Router:
     def _p_loads(self) -> list[InstanceLoad]:
         snaps = self._p_snaps
         for i, p in enumerate(self.prefill):
-            if snaps[i] is None or snaps[i].queued_prefill_tokens != p.queued_tokens:
+            if snaps[i] is None or snaps[i].queued_prefill_tokens != p.queued_tokens:  # type: ignore[union-attr]
                 snaps[i] = InstanceLoad(p.name, queued_prefill_tokens=p.queued_tokens)
-        return snaps
+        return snaps  # type: ignore[return-value]  # none is None any more
 
     def _d_loads(self) -> list[InstanceLoad]:
         snaps = self._d_snaps
@@ -181,7 +183,7 @@ class Router:
                     or old.retained_blocks != retained or old.total_blocks != d.capacity):
                 snaps[i] = InstanceLoad(d.name, running_requests=running, used_blocks=used, retained_blocks=retained,
                                         total_blocks=d.capacity)
-        return snaps
+        return snaps  # type: ignore[return-value]  # none is None any more
 
     def on_decode_finish(self, d_node: "DecodeNode", seq: "_Seq", expires_at: float | None) -> None:
         """D's response finished: store the params it returned (only now, after success)."""
