@@ -11,7 +11,8 @@ included); ``cpu turns/s`` the same per CPU second of the process (less sensitiv
 timeout loop runs per CPU second in the same process (mean of a calibration just before and just after
 the run), and ``bare ev/turn`` = bare ev/s divided by cpu turns/s: what one simulated turn costs in
 bare-simpy events, a figure that survives a noisy host (its inverse is turns per bare event). ``KB/turn``: peak RSS the run added (workload, records, live
-state) per simulated turn. The load average is printed with the table.
+state) per simulated turn. The load average is printed with the table, and which build of the simulator
+ran: its sources, or the compiled one of ``python tools/build_native.py`` (sim/native.py).
 
 ``--instructions`` measures the same ratio in CPU instructions instead of seconds, under valgrind's
 callgrind (instructions are counted, not timed: the same count whatever else the host runs):
@@ -62,6 +63,13 @@ def bare_simpy_events_per_s(events: int = 200_000) -> float:
     return next(env._eid) / cpu  # simpy numbers every scheduled event; this counts them
 
 
+def simulator_build() -> str:
+    """Which build the runs import: the sources, or the compiled one (tools/build_native.py)."""
+    from sim.native import build_name
+
+    return build_name()
+
+
 def bare_child(events: int) -> None:
     """The calibration loop alone (for an instruction count of it)."""
     bare_simpy_events_per_s(events)
@@ -101,7 +109,7 @@ def one(turns: int, nodes: int, seed: int, calibrate: bool = True) -> dict:
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             # what the run added at its peak (the workload held in memory, records, live state) per turn
             "kb_per_turn": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / simulated, 2),
-            "completed": result.summary["completed"]}
+            "completed": result.summary["completed"], "build": simulator_build()}
 
 
 def main() -> None:
@@ -128,7 +136,8 @@ def main() -> None:
     if args.instructions is not None:
         instructions(args.topologies, args.instructions, args.seed)
         return
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
+          f"simulator: {simulator_build()}")
     print(f"{'topology':>9} {'turns':>9} {'wall s':>8} {'turns/s':>9} {'cpu turns/s':>12} {'events/turn':>12} "
           f"{'bare ev/s':>10} {'bare ev/turn':>13} {'peak RSS MB':>12} {'KB/turn':>8}")
     runs: dict[tuple[int, int], list[dict]] = {}
@@ -173,6 +182,7 @@ def instructions(topologies: list[int], turns: int, seed: int) -> None:
         sys.exit("--instructions needs valgrind (Debian: apt-get install valgrind)")
     small, big = _callgrind("--bare-child", "100000")[0], _callgrind("--bare-child", "400000")[0]
     per_event = (big - small) / 300_000  # the loop schedules 100,000 and 400,000 events (+ 10 process starts)
+    print(f"simulator: {simulator_build()}")
     print(f"callgrind: {per_event:,.0f} instructions per bare simpy event (the calibration loop, 100k vs 400k events)")
     print(f"{'topology':>9} {'turns':>15} {'instr/turn':>12} {'bare ev/turn (instr)':>21}")
     for nodes in topologies:

@@ -10,6 +10,8 @@ Hypothesis runs under a fixed profile, loaded here before any test module is imp
 * ``explore``: random seeds and the local database, 1,000 examples: for hunting, not for CI;
 * ``mutants``: ``ci`` without shrinking, for tools/mutants.py (same examples, faster verdicts);
 * pick one with ``HYPOTHESIS_PROFILE=explore``.
+
+The simulator runs from its sources here, compiled build or not (``BIDIKV_PURE_SIM``, sim/native.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+# The suite tests the simulator's sources, even where a compiled build (tools/build_native.py) sits beside
+# them: tests wrap methods of simulator objects, which compiled classes refuse. Set before anything
+# imports sim (subprocesses inherit it); tests/sim/test_native_build.py checks the compiled build itself.
+os.environ["BIDIKV_PURE_SIM"] = "1"
 
 from tests.redis_server import redis_server  # noqa: F401  (a real redis-server per session, for tests that ask)
 from tests.router.harness import ASYNC_TEST_TIMEOUT_S

@@ -12,7 +12,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" 'torch==2.13.0'
-"${PIP[@]}" -e '.[impl,test,ray,parquet]'
+"${PIP[@]}" -e '.[impl,test,ray,parquet,native]'
 # vLLM 0.33 (the GPU release) for tests/connector/test_vllm033.py: --no-deps (its CUDA stack would replace the CPU
 # torch), into an overlay that only that test's subprocess puts first on PYTHONPATH; the venv's packages serve it
 OVERLAY="$VENV/vllm033-overlay"
