@@ -8,7 +8,7 @@ builds). impl/policy is not compiled: it stays the pure-Python code the real rou
 
 An extension module would keep running after its source was edited, so the build writes a stamp of
 every source's SHA-256, and importing ``sim`` checks it (:func:`install_guard`): when any source
-changed since the build, or the stamp is missing, every compiled module is loaded from its source
+changed since the build, or the stamp or a compiled file is missing, every compiled module is loaded from its source
 instead (all of them: a class compiled in one module cannot be subclassed by an interpreted one in
 another) and a warning names what changed.
 """
@@ -104,6 +104,18 @@ def install_guard() -> None:
         warnings.warn(f"sim: the compiled build is stale ({why}): running the pure-Python sources. Rebuild "
                       f"with `python tools/build_native.py`, or remove it with `python tools/build_native.py "
                       f"--clean`", RuntimeWarning, stacklevel=2)
+
+
+def describe() -> str:
+    """What ``import sim`` runs here and why, one line (``tools/build_native.py --status``)."""
+    why = staleness()
+    if why is None:
+        return "pure Python: no compiled build in sim/"
+    if os.environ.get(PURE_ENV) == "1":
+        return f"pure Python: {PURE_ENV}=1 (a compiled build is present" + (f", stale: {why})" if why else ")")
+    if why:
+        return f"pure Python: the compiled build is stale ({why})"
+    return f"native (mypyc): {len(MODULES)} modules compiled, sources unchanged since the build"
 
 
 def build_name() -> str:

@@ -84,13 +84,7 @@ def main() -> None:
         print(f"removed {len(removed)} compiled files" + "".join(f"\n  {p.relative_to(ROOT)}" for p in removed))
         return
     if args.status:
-        why = native.staleness()
-        if why is None:
-            print("pure Python: no compiled build in sim/")
-        elif why:
-            print(f"pure Python: the compiled build is stale ({why})")
-        else:
-            print(f"native (mypyc): {len(native.MODULES)} modules compiled, sources unchanged since the build")
+        print(native.describe())
         return
     build()
     print(f"built {len(native.MODULES)} modules: " + ", ".join(native.MODULES))

@@ -34,10 +34,10 @@ def _run(root: Path, *args: str, pure: bool = False, check: bool = True) -> subp
     return out
 
 
-def _copy_tree(src: Path, dst: Path) -> Path:
+def _copy_tree(src: Path, dst: Path, *ignored: str) -> Path:
     for rel in COPIED:
         if (src / rel).is_dir():
-            shutil.copytree(src / rel, dst / rel, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src / rel, dst / rel, ignore=shutil.ignore_patterns("__pycache__", *ignored))
         else:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, dst / rel)
@@ -47,14 +47,8 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A copy of the checkout's simulator with the compiled build in it (one build for the module)."""
-    root = tmp_path_factory.mktemp("native")
-    for rel in COPIED:
-        if (ROOT / rel).is_dir():  # without a compiled build the checkout may hold (a developer's)
-            shutil.copytree(ROOT / rel, root / rel,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.so", "_native.json"))
-        else:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, root / rel)
+    # without a compiled build the checkout may hold (a developer's)
+    root = _copy_tree(ROOT, tmp_path_factory.mktemp("native"), "*.so", "_native.json")
     assert _run(root, "-c", WHICH).stdout.strip() == "pure Python"
     _run(root, "tools/build_native.py")
     return root
@@ -105,6 +99,11 @@ def test_clean_removes_the_build_and_the_sources_run_without_a_warning(built, tm
     out = _run(root, "-c", WHICH)
     assert out.stdout.strip() == "pure Python" and out.stderr == ""
     assert "no compiled build" in _run(root, "tools/build_native.py", "--status").stdout
+
+
+def test_status_says_the_sources_run_when_the_suite_asks_for_them(built):
+    assert "BIDIKV_PURE_SIM=1" in _run(built, "tools/build_native.py", "--status", pure=True).stdout
+    assert _run(built, "-c", WHICH, pure=True).stdout.strip() == "pure Python"
 
 
 def test_a_source_mypyc_rejects_fails_the_build_naming_it_and_leaves_the_sources_in_charge(built, tmp_path):
