@@ -35,7 +35,7 @@ DEFAULT_BUSY_WINDOW_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoad:
-    tpot_s: float  # (total - ttft) / (output - 1): the mean time per output token after the first
+    tpot_s: float  # BenchRecord.tpot_s: the mean time per output token after the ones TTFT brought
     batch: float  # mean sequences decoding together over the span, this one included
     context_tokens: float  # mean total context of those sequences over the span
 
@@ -59,11 +59,11 @@ def busy_flags(records: Sequence[BenchRecord], window_s: float = DEFAULT_BUSY_WI
 
 
 def decode_loads(records: Sequence[BenchRecord]) -> list[DecodeLoad | None]:
-    """Per record: its TPOT and the decode load it ran under; None when it has no TPOT (failed, < 2 tokens)."""
+    """Per record: its TPOT and the decode load it ran under; None when it has no TPOT (failed, or every token came in the first read)."""
     spans = [(_span(r), r) if _usable(r) else None for r in records]
     out: list[DecodeLoad | None] = []
     for i, r in enumerate(records):
-        if spans[i] is None or r.output_tokens < 2:
+        if spans[i] is None or math.isnan(r.tpot_s):
             out.append(None)
             continue
         (lo, hi), _ = spans[i]
@@ -81,5 +81,5 @@ def decode_loads(records: Sequence[BenchRecord]) -> list[DecodeLoad | None]:
                 share = overlap / length
                 batch += share
                 context += share * (other.prompt_tokens + other.output_tokens / 2)
-        out.append(DecodeLoad((r.total_s - r.ttft_s) / (r.output_tokens - 1), batch, context))
+        out.append(DecodeLoad(r.tpot_s, batch, context))
     return out

@@ -27,7 +27,9 @@ overhead (``reuse_overhead_per_token_s``, paid by pulls only) and the wire rate 
 into bytes gave 3e23-8e35 bytes/s, and any rate made the simulator charge every turn's P->D hand-off
 a second time (the measured TTFT already contains it, inside the fitted compute terms).
 
-**Decode**, per turn with at least two output tokens, TPOT = (total - TTFT) / (output - 1):
+**Decode**, per turn with tokens after the first read, TPOT = (total - TTFT) / (output - tokens of the
+first read) (:attr:`impl.bench.records.BenchRecord.tpot_s`; tokens that came with the first were decoded
+before TTFT was stamped):
 
     TPOT = decode_fixed_s + decode_per_seq_s * B + decode_per_ctx_token_s * C
 

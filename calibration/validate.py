@@ -46,7 +46,7 @@ class TurnComparison:
     sim_pulled: int
     real_ttft_s: float
     sim_ttft_s: float
-    real_tpot_s: float  # NaN with fewer than two output tokens
+    real_tpot_s: float  # BenchRecord.tpot_s: NaN when every token came in the first read
     sim_tpot_s: float
 
     @property
@@ -185,7 +185,9 @@ def sim_decision(rec: TurnRecord, settings: DeploymentSettings, bidirectional: b
     return classify(bidirectional, rec.turn, offered, pulled, settings.kv_recompute_threshold)
 
 
-def _tpot(total: float, ttft: float, outputs: int) -> float:
+def _sim_tpot(total: float, ttft: float, outputs: int) -> float:
+    # the simulator's first token comes alone with the prefill (no stream to fall behind on), so the time
+    # after TTFT is output - 1 tokens'; a real one is BenchRecord.tpot_s
     return (total - ttft) / (outputs - 1) if outputs >= 2 else math.nan
 
 
@@ -201,8 +203,8 @@ def compare(records: Sequence[BenchRecord], simulated: Sequence[TurnRecord],
         out.append(TurnComparison(
             r.conversation, r.turn, r.prompt_tokens, real_decision(r, settings), sim_decision(s, settings, r.mode == "on"),
             (r.prefill_cached_tokens or 0), sim_pulled, r.ttft_s, s.ttft_s,
-            _tpot(r.total_s, r.ttft_s, r.output_tokens),
-            _tpot(s.completion_s - s.arrival_s, s.ttft_s, s.output_tokens)))
+            r.tpot_s,
+            _sim_tpot(s.completion_s - s.arrival_s, s.ttft_s, s.output_tokens)))
     return out
 
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 import random
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import aiohttp
 
@@ -54,10 +54,24 @@ async def _model_info(session: aiohttp.ClientSession, config: BenchConfig) -> tu
     return config.model or entry["id"], config.max_model_len or int(entry.get("max_model_len") or 1 << 30)
 
 
+class TurnResult(NamedTuple):
+    """What one streamed completion returned, as the client saw it."""
+
+    ttft_s: float  # NaN when no token arrived
+    total_s: float
+    generated: list[int]
+    headers: dict[str, str]
+    error: str
+    # Tokens that arrived in the same read of the stream as the first one. More than one when the
+    # server's frontend, the router or this client fell behind and several steps' tokens came together:
+    # they were decoded before TTFT was stamped, so a TPOT over output - 1 tokens would count them
+    # twice (once in TTFT, once as "after the first") and shrink (measured on the 2-core rehearsal).
+    first_read_tokens: int = 0
+
+
 async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str, conversation_id: str,
-                prompt: list[int], max_tokens: int,
-                exact_length: bool = True) -> tuple[float, float, list[int], dict[str, str], str]:
-    """One streamed completion: (ttft_s, total_s, generated ids, response headers, error).
+                prompt: list[int], max_tokens: int, exact_length: bool = True) -> TurnResult:
+    """One streamed completion.
 
     ``exact_length``: exactly ``max_tokens`` greedy tokens (ignore EOS); False: ``max_tokens`` only and the
     server's sampling defaults, as vLLM's multi-turn benchmark asks (the answer may end early at EOS)."""
@@ -68,13 +82,17 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
     start = time.perf_counter()
     ttft = float("nan")
     generated: list[int] = []
+    first_read = 0
     try:
         async with session.post(config.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
-                return ttft, time.perf_counter() - start, generated, dict(resp.headers), f"HTTP {resp.status}: {text}"
+                return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers),
+                                  f"HTTP {resp.status}: {text}")
             buffer = b""
             async for chunk in resp.content.iter_any():
+                if not first_read and generated:  # the read that brought the first token has been parsed
+                    first_read = len(generated)
                 buffer += chunk
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
@@ -86,28 +104,32 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
                             continue
                         obj = json.loads(data)
                         if "error" in obj:
-                            return ttft, time.perf_counter() - start, generated, dict(resp.headers), str(obj["error"])[:200]
+                            return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers),
+                                              str(obj["error"])[:200], first_read or len(generated))
                         for choice in obj.get("choices") or []:
                             ids = choice.get("token_ids") or []
                             if (ids or choice.get("text")) and ttft != ttft:
                                 ttft = time.perf_counter() - start
                             generated.extend(ids)
-            return ttft, time.perf_counter() - start, generated, dict(resp.headers), ""
+            return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers), "",
+                              first_read or len(generated))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        return ttft, time.perf_counter() - start, generated, {}, f"{type(exc).__name__}: {exc}"[:200]
+        return TurnResult(ttft, time.perf_counter() - start, generated, {}, f"{type(exc).__name__}: {exc}"[:200],
+                          first_read or len(generated))
 
 
 def turn_record(config: BenchConfig, conversation_id: str, index: int, prompt_tokens: int, start_s: float,
-                result: tuple[float, float, list[int], dict[str, str], str]) -> BenchRecord:
+                result: TurnResult) -> BenchRecord:
     """The JSONL record of one turn from what :func:`_turn` returned and the router's headers."""
-    ttft, total, generated, headers, error = result
+    ttft, total, generated, headers, error, first_read = result
     cached = headers.get("X-Bidikv-Prefill-Cached-Tokens")
     return BenchRecord(conversation=conversation_id, turn=index, mode=config.mode, prompt_tokens=prompt_tokens,
                        output_tokens=len(generated), start_s=start_s, ttft_s=ttft, total_s=total,
                        reuse_offered_tokens=int(headers.get("X-Bidikv-Reuse-Offered-Tokens", 0)),
                        prefill_cached_tokens=int(cached) if cached is not None else None,
                        prefill_instance=headers.get("X-Bidikv-Prefill", ""),
-                       decode_instance=headers.get("X-Bidikv-Decode", ""), error=error)
+                       decode_instance=headers.get("X-Bidikv-Decode", ""), error=error,
+                       first_read_tokens=first_read)
 
 
 async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) -> list[BenchRecord]:
@@ -138,13 +160,11 @@ async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) 
                         break  # the conversation outgrew the model's context
                     await limit.wait()
                     start = time.perf_counter() - t0
-                    ttft, total, generated, headers, error = await _turn(session, config, model, conv.conversation_id,
-                                                                         prompt, turn.output_tokens)
-                    records.append(turn_record(config, conv.conversation_id, index, len(prompt), start,
-                                               (ttft, total, generated, headers, error)))
-                    if error:
+                    result = await _turn(session, config, model, conv.conversation_id, prompt, turn.output_tokens)
+                    records.append(turn_record(config, conv.conversation_id, index, len(prompt), start, result))
+                    if result.error:
                         break  # a failed turn has no answer to continue from
-                    history = prompt + generated
+                    history = prompt + result.generated
 
         await asyncio.gather(*(client() for _ in range(config.concurrency)))
     records.sort(key=lambda r: (r.start_s, r.conversation, r.turn))

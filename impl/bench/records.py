@@ -27,10 +27,24 @@ class BenchRecord:
     decode_instance: str = ""
     error: str = ""
     format: str = FORMAT
+    # output tokens that reached the client in the same read as the first (impl.bench.client.TurnResult);
+    # None: not recorded (a record written before the field existed), taken as 1, what its TPOT assumed
+    first_read_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
         return not self.error
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after TTFT: (total - ttft) / (output - first_read_tokens); NaN for a
+        failed turn or one whose tokens all came in the first read. The tokens that arrived with the first
+        were decoded before TTFT was stamped, so they are not part of the time after it."""
+        first = min(1, self.output_tokens) if self.first_read_tokens is None else self.first_read_tokens
+        later = self.output_tokens - first
+        if self.error or later < 1:
+            return math.nan
+        return (self.total_s - self.ttft_s) / later
 
 
 def write_jsonl(records: Iterable[BenchRecord], path: str) -> None:
@@ -84,6 +98,11 @@ def read_jsonl(path: str) -> list[BenchRecord]:
                     continue
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or (math.isnan(v) if isinstance(v, float) else False):
                     raise ValueError(f"{where}: field {name} must be a number, got {v!r}")
+            first = obj.get("first_read_tokens")
+            if first is not None and (isinstance(first, bool) or not isinstance(first, int)
+                                      or not 0 <= first <= obj["output_tokens"]):
+                raise ValueError(f"{where}: field first_read_tokens must be null or an integer from 0 to "
+                                 f"output_tokens ({obj['output_tokens']}), got {first!r}")
             cached = obj.get("prefill_cached_tokens")
             if cached is not None and (isinstance(cached, bool) or not isinstance(cached, int) or cached < 0):
                 raise ValueError(f"{where}: field prefill_cached_tokens must be an integer >= 0 or null, got {cached!r}")

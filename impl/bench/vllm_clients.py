@@ -77,13 +77,13 @@ async def run_vllm_bench(config: BenchConfig, conversations: Sequence[Conversati
                 start = time.perf_counter() - t0
                 result = await _turn(session, config, model, conv.conversation_id, prompt,
                                      conv.turns[index].output_tokens, exact_length=False)
-                ttft, total, generated, headers, error = result
                 records.append(turn_record(config, conv.conversation_id, index, len(prompt), start, result))
-                if not error:
-                    prompts.answered(conv, prompt, generated)
-                if not client.done(ok=not error, exception=bool(error) and not error.startswith("HTTP ")):
+                if not result.error:
+                    prompts.answered(conv, prompt, result.generated)
+                if not client.done(ok=not result.error,
+                                   exception=bool(result.error) and not result.error.startswith("HTTP ")):
                     break
-                pause = client.pause_s(total)
+                pause = client.pause_s(result.total_s)
                 if pause > 0:
                     await asyncio.sleep(pause)
 
