@@ -33,3 +33,26 @@ def test_repeat_prints_every_run_and_the_median_of_each_size():
 def test_repeat_below_one_is_refused_naming_the_flag():
     done = _run("--turns", "300", "--topologies", "1", "--repeat", "0")
     assert done.returncode == 2 and "--repeat must be >= 1" in done.stderr
+
+
+COST_SPLIT = SCRIPT.parent / "sim_cost_split.py"
+
+
+def test_cost_split_prints_each_row_and_the_index_replayed():
+    done = subprocess.run([sys.executable, str(COST_SPLIT), "--turns", "400"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {m.group(1).strip(): m for m in re.finditer(
+        r"^\s*(.+?)\s+([\d,]+) cpu turns/s\s+([\d.]+) us/turn\s+([\d.]+) events/turn", done.stdout, re.M)}
+    assert list(rows) == ["1P1D", "64P64D", "64P64D at 1P1D's rate", "64P64D, 0.5 s think"], done.stdout
+    for m in rows.values():
+        assert int(m.group(2).replace(",", "")) > 0
+        assert abs(1e6 / int(m.group(2).replace(",", "")) - float(m.group(3))) < 0.1  # us/turn is its inverse
+    index = re.search(r"LeastLoaded index alone\s+([\d.]+) us/turn", done.stdout)
+    assert index and float(index.group(1)) > 0, done.stdout
+
+
+def test_cost_split_refuses_too_few_turns():
+    done = subprocess.run([sys.executable, str(COST_SPLIT), "--turns", "7"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--turns must be >= 8" in done.stderr
