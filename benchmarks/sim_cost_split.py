@@ -74,8 +74,9 @@ def _run(turns: int, nodes: int, rate_nodes: int, think_s: float, record: str | 
     return result
 
 
-def _replay(path: str, turns: int, repeat: int = 5) -> float:
-    """CPU seconds per simulated turn of the recorded index calls, best of ``repeat``."""
+def _replay(path: str, turns: int, repeat: int = 5) -> tuple[float, float, float]:
+    """CPU seconds per simulated turn of the recorded index calls (best of ``repeat``), and the updates
+    and picks per turn."""
     from impl.policy.placement import InstanceLoad, LeastLoadedIndex
 
     with open(path, "rb") as fh:
@@ -98,7 +99,9 @@ def _replay(path: str, turns: int, repeat: int = 5) -> float:
             else:
                 call(name, **loads)
         best = min(best, time.process_time() - start)
-    return best / turns
+    picks = sum(entry[0] == "pick" for entry in log)
+    updates = sum(entry[0] == "update" for entry in log)
+    return best / turns, updates / turns, picks / turns
 
 
 def main() -> None:
@@ -127,8 +130,9 @@ def main() -> None:
                   f"{r['events_per_turn']:4.1f} events/turn  ({r['build']})")
         log = str(Path(tmp) / "placement.pickle")
         r = child(64, 64, 30.0, log, env={**os.environ, "BIDIKV_PURE_SIM": "1"})
-        print(f"{'LeastLoaded index alone':>24}  {_replay(log, r['turns']) * 1e6:6.2f} us/turn "
-              f"(64P64D's update_load and pick calls, replayed)")
+        per_turn, updates, picks = _replay(log, r["turns"])
+        print(f"{'LeastLoaded index alone':>24}  {per_turn * 1e6:6.2f} us/turn (64P64D's {updates:.2f} update_load "
+              f"and {picks:.2f} pick calls per turn, replayed)")
     print(f"load average {os.getloadavg()[0]:.2f} after")
 
 

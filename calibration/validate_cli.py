@@ -52,7 +52,8 @@ def ranking(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _finite(value: Any) -> Any:
-    """NaN (no TPOT for a one-token turn, an empty bucket) as null: NaN is not JSON."""
+    """NaN (no TPOT: a one-token turn, or one whose tokens all came in the first read; an empty bucket) as
+    null: NaN is not JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

@@ -62,11 +62,11 @@ class TurnResult(NamedTuple):
     generated: list[int]
     headers: dict[str, str]
     error: str
-    # Tokens that arrived in the same read of the stream as the first one. More than one when the
-    # server's frontend, the router or this client fell behind and several steps' tokens came together:
-    # they were decoded before TTFT was stamped, so a TPOT over output - 1 tokens would count them
-    # twice (once in TTFT, once as "after the first") and shrink (measured on the 2-core rehearsal).
-    first_read_tokens: int = 0
+    # Tokens parsed by the end of the read that stamped TTFT (the same read as the first token). More
+    # than one when the server's frontend, the router or this client fell behind and several steps'
+    # tokens came together: they were decoded before TTFT was stamped, so a TPOT over output - 1 tokens
+    # would count them as decoded after it and shrink (measured on the 2-core rehearsal).
+    first_read_tokens: int
 
 
 async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str, conversation_id: str,
@@ -82,16 +82,16 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
     start = time.perf_counter()
     ttft = float("nan")
     generated: list[int] = []
-    first_read = 0
+    first_read = -1  # tokens parsed by the end of the read that stamped TTFT; -1 until that read ends
     try:
         async with session.post(config.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers),
-                                  f"HTTP {resp.status}: {text}")
+                                  f"HTTP {resp.status}: {text}", 0)
             buffer = b""
             async for chunk in resp.content.iter_any():
-                if not first_read and generated:  # the read that brought the first token has been parsed
+                if first_read < 0 and ttft == ttft:  # the read that stamped TTFT has been parsed
                     first_read = len(generated)
                 buffer += chunk
                 while b"\n\n" in buffer:
@@ -105,17 +105,22 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
                         obj = json.loads(data)
                         if "error" in obj:
                             return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers),
-                                              str(obj["error"])[:200], first_read or len(generated))
+                                              str(obj["error"])[:200], _first(first_read, generated))
                         for choice in obj.get("choices") or []:
                             ids = choice.get("token_ids") or []
                             if (ids or choice.get("text")) and ttft != ttft:
                                 ttft = time.perf_counter() - start
                             generated.extend(ids)
             return TurnResult(ttft, time.perf_counter() - start, generated, dict(resp.headers), "",
-                              first_read or len(generated))
+                              _first(first_read, generated))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return TurnResult(ttft, time.perf_counter() - start, generated, {}, f"{type(exc).__name__}: {exc}"[:200],
-                          first_read or len(generated))
+                          _first(first_read, generated))
+
+
+def _first(first_read: int, generated: list[int]) -> int:
+    # the stream ended in (or before) the read that stamped TTFT: every token came with the first
+    return first_read if first_read >= 0 else len(generated)
 
 
 def turn_record(config: BenchConfig, conversation_id: str, index: int, prompt_tokens: int, start_s: float,

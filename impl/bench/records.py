@@ -98,11 +98,12 @@ def read_jsonl(path: str) -> list[BenchRecord]:
                     continue
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or (math.isnan(v) if isinstance(v, float) else False):
                     raise ValueError(f"{where}: field {name} must be a number, got {v!r}")
-            first = obj.get("first_read_tokens")
+            # 0 with tokens is possible: the event that stamped TTFT carried text but no token ids
+            first, outputs = obj.get("first_read_tokens"), obj["output_tokens"]
             if first is not None and (isinstance(first, bool) or not isinstance(first, int)
-                                      or not 0 <= first <= obj["output_tokens"]):
+                                      or not 0 <= first <= outputs):
                 raise ValueError(f"{where}: field first_read_tokens must be null or an integer from 0 to "
-                                 f"output_tokens ({obj['output_tokens']}), got {first!r}")
+                                 f"output_tokens ({outputs}), got {first!r}")
             cached = obj.get("prefill_cached_tokens")
             if cached is not None and (isinstance(cached, bool) or not isinstance(cached, int) or cached < 0):
                 raise ValueError(f"{where}: field prefill_cached_tokens must be an integer >= 0 or null, got {cached!r}")

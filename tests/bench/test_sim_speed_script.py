@@ -48,8 +48,11 @@ def test_cost_split_prints_each_row_and_the_index_replayed():
     for m in rows.values():
         assert int(m.group(2).replace(",", "")) > 0
         assert abs(1e6 / int(m.group(2).replace(",", "")) - float(m.group(3))) < 0.1  # us/turn is its inverse
-    index = re.search(r"LeastLoaded index alone\s+([\d.]+) us/turn", done.stdout)
+    index = re.search(r"LeastLoaded index alone\s+([\d.]+) us/turn \(64P64D's ([\d.]+) update_load and ([\d.]+) pick",
+                      done.stdout)
     assert index and float(index.group(1)) > 0, done.stdout
+    assert float(index.group(3)) == 2.0  # every turn picks a P and a D, and the run finished every turn
+    assert float(index.group(2)) > 0
 
 
 def test_cost_split_refuses_too_few_turns():

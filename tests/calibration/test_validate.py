@@ -128,3 +128,19 @@ def test_cli_json_is_strict_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     (turns,) = [r["turns"] for r in out["runs"].values()]
     assert turns[1]["real_tpot_s"] is None and turns[1]["sim_decision"] == "pulled"
+
+
+def test_a_real_turns_tpot_leaves_out_the_tokens_of_its_first_read():
+    # 33 of the 96 tokens reached the client with the first: the 2.4 s after TTFT decoded 63, not 95
+    run = [dataclasses.replace(r, first_read_tokens=33) for r in _conversation("a", [0.0], [0], [0])]
+    _, (turn,) = validate_run(run, RIG, SETTINGS)
+    assert turn.real_tpot_s == pytest.approx((TURN_S - 0.5) / 63)
+    assert turn.sim_tpot_s == pytest.approx(0.025)  # the simulator's tokens come one per step
+
+
+def test_the_decode_fit_reads_the_same_tpot():
+    from calibration.busy import decode_loads
+
+    (record,) = [dataclasses.replace(r, first_read_tokens=3) for r in _conversation("a", [0.0], [0], [0])]
+    (load,) = decode_loads([record])
+    assert load.tpot_s == pytest.approx((TURN_S - 0.5) / 93) == record.tpot_s
