@@ -75,7 +75,10 @@ def bare_child(events: int) -> None:
     bare_simpy_events_per_s(events)
 
 
-def one(turns: int, nodes: int, seed: int, calibrate: bool = True) -> dict:
+def one(turns: int, nodes: int, seed: int, calibrate: bool = True, arrival_rate_per_s: float | None = None,
+        think_mean_s: float = 30.0) -> dict:
+    """One run of ``turns`` on ``nodes``P``nodes``D. The arrival rate defaults to 0.25 conversations/s
+    per node pair (every node busy); benchmarks/sim_cost_split.py sets it and the think time apart."""
     from sim.cluster import Cluster
     from sim.config import SimConfig
     from sim.workload import load_workload
@@ -87,7 +90,8 @@ def one(turns: int, nodes: int, seed: int, calibrate: bool = True) -> dict:
     config.topology.num_prefill = config.topology.num_decode = nodes
     config.policy.placement = "least_loaded"
     config.workload = {"kind": "synthetic", "num_conversations": conversations,
-                       "arrival_rate_per_s": 0.25 * nodes, "inter_turn_gap_s": {"kind": "exponential", "mean": 30.0}}
+                       "arrival_rate_per_s": 0.25 * nodes if arrival_rate_per_s is None else arrival_rate_per_s,
+                       "inter_turn_gap_s": {"kind": "exponential", "mean": think_mean_s}}
     config.validate()
     bare = bare_simpy_events_per_s() if calibrate else math.nan
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # interpreter, modules, calibration

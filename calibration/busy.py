@@ -63,7 +63,8 @@ def decode_loads(records: Sequence[BenchRecord]) -> list[DecodeLoad | None]:
     spans = [(_span(r), r) if _usable(r) else None for r in records]
     out: list[DecodeLoad | None] = []
     for i, r in enumerate(records):
-        if spans[i] is None or math.isnan(r.tpot_s):
+        tpot_s = r.tpot_s
+        if spans[i] is None or math.isnan(tpot_s):
             out.append(None)
             continue
         (lo, hi), _ = spans[i]
@@ -81,5 +82,5 @@ def decode_loads(records: Sequence[BenchRecord]) -> list[DecodeLoad | None]:
                 share = overlap / length
                 batch += share
                 context += share * (other.prompt_tokens + other.output_tokens / 2)
-        out.append(DecodeLoad(r.tpot_s, batch, context))
+        out.append(DecodeLoad(tpot_s, batch, context))
     return out

@@ -77,8 +77,7 @@ def simulate_benchmark(profile: Any, bidirectional: bool, seed: int = 0) -> dict
     if not completed:
         raise RuntimeError("the simulated benchmark completed no request")
     ttft_ms = [r.ttft_s * 1e3 for r in completed]
-    tpot_ms = [(r.completion_s - r.arrival_s - r.ttft_s) / (r.output_tokens - 1) * 1e3
-               for r in completed if r.output_tokens > 1]
+    tpot_ms = [r.tpot_s * 1e3 for r in completed if r.output_tokens > 1]
     return {"ttft_mean": statistics.fmean(ttft_ms), "ttft_p50": statistics.median(ttft_ms),
             "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(completed))}
 

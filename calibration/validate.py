@@ -185,12 +185,6 @@ def sim_decision(rec: TurnRecord, settings: DeploymentSettings, bidirectional: b
     return classify(bidirectional, rec.turn, offered, pulled, settings.kv_recompute_threshold)
 
 
-def _sim_tpot(total: float, ttft: float, outputs: int) -> float:
-    # the simulator's first token comes alone with the prefill (no stream to fall behind on), so the time
-    # after TTFT is output - 1 tokens'; a real one is BenchRecord.tpot_s
-    return (total - ttft) / (outputs - 1) if outputs >= 2 else math.nan
-
-
 def compare(records: Sequence[BenchRecord], simulated: Sequence[TurnRecord],
             settings: DeploymentSettings) -> list[TurnComparison]:
     sims = {(s.conversation, s.turn): s for s in simulated}
@@ -203,8 +197,7 @@ def compare(records: Sequence[BenchRecord], simulated: Sequence[TurnRecord],
         out.append(TurnComparison(
             r.conversation, r.turn, r.prompt_tokens, real_decision(r, settings), sim_decision(s, settings, r.mode == "on"),
             (r.prefill_cached_tokens or 0), sim_pulled, r.ttft_s, s.ttft_s,
-            r.tpot_s,
-            _sim_tpot(s.completion_s - s.arrival_s, s.ttft_s, s.output_tokens)))
+            r.tpot_s, s.tpot_s))
     return out
 
 

@@ -60,6 +60,15 @@ class TurnRecord:
         """The published "prefill duration": D->P pull + compute + reuse overhead on P."""
         return prefill_duration_s(self.d2p_transfer_s, self.prefill_compute_s, self.reuse_overhead_s)
 
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first, NaN with fewer than two: a simulated turn's first
+        token comes alone with the prefill (no stream to fall behind on; a bench turn's is
+        impl.bench.records.BenchRecord.tpot_s)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.completion_s - self.arrival_s - self.ttft_s) / (self.output_tokens - 1)
+
 
 def prefill_duration_s(d2p_transfer_s: float, prefill_compute_s: float, reuse_overhead_s: float) -> float:
     """TurnRecord.prefill_s of these fields (for a summary reading them from a table's columns)."""

@@ -13,7 +13,7 @@ a 2-layer model's turns are tens of milliseconds, so a scheduler hiccup is a lar
 TPOT is the time after TTFT over the tokens that did not come in the first read of the stream
 (``BenchRecord.tpot_s``): on these cores a turn's 32 tokens often reach the client together, and over
 output - 1 such a turn read 0.01 ms instead of ~6 ms (2026-12-03, two busy loops beside this test: 4
-of 12 held-out turns all at once, TPOT median |error| 98.9 % over output - 1, 53.8 % without them; a
+of 12 held-out turns all at once, TPOT median |error| 98.9 % over output - 1, 53.8 % by this definition; a
 fresh-clone CI failed at 102.1 % on 2026-12-02). A turn with nothing after its first read has no TPOT,
 so the bound also asks that at least half the turns have one.
 """
