@@ -62,7 +62,10 @@ class Cluster:
         for i in range(topo.num_decode):
             self.decode.append(DecodeNode(env, f"d{i}", profile, decode_blocks, topo.max_num_seqs, pol.retention_policy(),
                                           pol.bidirectional, pol.decode_prefix_caching, pol.expiry_margin_s,
-                                          self.interconnect, self.router.on_decode_finish))
+                                          self.interconnect, self.router.on_decode_finish,
+                                          pressure_mode=pol.retained_under_pressure, give_back=pol.give_back()))
+        for p in self.prefill:
+            p.decline_frees_d = pol.decline_frees_d
         self.router.add_decode(self.decode)
         # each conversation's turn in flight, for the oracle's look at the next one (only it reads them)
         self._conversations: dict[tuple[str, str], Conversation] = {}
@@ -77,6 +80,7 @@ class Cluster:
         self.records = RecordTable()
         self.series: list[tuple[float, str, int, int, int, int]] = []
         self._live_clients = 0
+        self._stuck_at = math.nan  # when nothing but the sampler was left to happen, with clients still waiting
         self.renewal = ClientRenewal(config.clients, config.seed)
         self.heartbeats_sent = 0
 
@@ -97,6 +101,11 @@ class Cluster:
         if self._live_clients <= 0:
             return
         now = self.env._now
+        if not self.env._queue:
+            # nothing else will ever happen: every live client waits on a turn no event can end (a D whose
+            # pool is pinned by retained blocks that never expire, with nothing running to free any)
+            self._stuck_at = now
+            return
         for d in self.decode:
             d._advance_retention(now)
             self.series.append((now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
@@ -190,9 +199,11 @@ class Cluster:
         # a turn's record is packed when the turn ends, completed or rejected: only records still held
         # as objects (the turns in flight) can be unfinished
         records = self.records
+        why = ("unfinished at max_sim_time_s" if math.isnan(self._stuck_at) else
+               "stuck: waiting for decode blocks pinned by retained turns that never expire")
         for rec in records.held():
             if math.isnan(rec.completion_s) and not rec.rejected:
-                rec.rejected = "unfinished at max_sim_time_s"
+                rec.rejected = why
         records.pack_held()
         sent: dict[str, int] = {}
         for conversation, index in fields_of(records, "conversation", "turn"):
@@ -202,7 +213,8 @@ class Cluster:
             for index in range(sent.get(conv.conversation_id, 0), len(conv.turns)):
                 turn = conv.turns[index]
                 rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
-                rec.rejected = "not released by max_sim_time_s"
+                rec.rejected = ("not released by max_sim_time_s" if math.isnan(self._stuck_at) else
+                                "not sent: the run was stuck on pinned decode blocks")
                 records.pack(records.reserve(rec))
 
 

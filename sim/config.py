@@ -17,6 +17,7 @@ from impl.policy import (
     FixedThreshold,
     FixedTTL,
     GapQuantileTTL,
+    GiveBack,
     HeartbeatLease,
     KVAwareCost,
     LeastLoaded,
@@ -63,6 +64,19 @@ class PolicyConfig:
     gap_quantile: float = _f(0.9, "quantile of observed inter-turn gaps used as TTL (gap_quantile policy)")
     gap_ttl_cap_s: float = _f(900.0, "upper bound on the learnt TTL (gap_quantile policy)")
     expiry_margin_s: float = _f(5.0, "P declines reads this close to expiry (vLLM: 5 s)")
+    retained_under_pressure: str = _f(
+        "pinned",
+        "what D does with retained blocks when its pool runs short: pinned = vLLM (held until read or expired; new "
+        "work waits, running sequences are preempted); give_back = bidikv's give-back mode (D publishes short "
+        "expiries, renews them while it has headroom and lets the ones impl.policy names lapse under pressure); "
+        "instant_drop = frees them the moment they are needed (an upper bound: no D can do it safely, P's reads "
+        "are one-sided)", choices=("pinned", "give_back", "instant_drop"))
+    give_back_publish_window_s: float = _f(30.0, "give_back: how far ahead D publishes an expiry (the worst-case "
+                                                 "time to give memory back)")
+    give_back_renew_every_s: float = _f(10.0, "give_back: how often D renews its published expiries")
+    give_back_headroom: float = _f(0.05, "give_back: share of D's pool kept free or coming free (the watermark)")
+    decline_frees_d: bool = _f(False, "P tells D when it declines a pull (threshold, expiry margin, verification), "
+                                      "so D frees those blocks at once; stock vLLM does not (D holds them to the TTL)")
     placement: str = _f("round_robin", "instance placement", choices=("round_robin", "least_loaded", "kv_aware"))
     max_conversations: int = _f(1_000_000, "router conversation-store bound (LRU)")
 
@@ -78,6 +92,12 @@ class PolicyConfig:
             return GapQuantileTTL(quantile=self.gap_quantile, cap_s=self.gap_ttl_cap_s, initial_s=self.decoder_kv_blocks_ttl
                                   if math.isfinite(self.decoder_kv_blocks_ttl) else self.gap_ttl_cap_s)
         return FixedTTL(self.decoder_kv_blocks_ttl)
+
+    def give_back(self) -> GiveBack | None:
+        if self.retained_under_pressure != "give_back":
+            return None
+        return GiveBack(self.give_back_publish_window_s, self.give_back_renew_every_s, self.give_back_headroom,
+                        self.expiry_margin_s)
 
     def placement_policy(self) -> Any:
         return {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAwareCost}[self.placement]()
@@ -154,6 +174,7 @@ class SimConfig:
             if not ok:
                 raise ValueError(f"config field {name} {why}")
         for name, value in (("policy.recompute_policy", p.recompute_policy), ("policy.retention", p.retention),
+                            ("policy.retained_under_pressure", p.retained_under_pressure),
                             ("policy.placement", p.placement), ("clients.client_renewal", self.clients.client_renewal)):
             section, key = name.split(".")
             choices = _field(type(getattr(self, section)), key).metadata["choices"]
@@ -166,6 +187,10 @@ class SimConfig:
                 dataclasses.replace(p, retention=retention).retention_policy()
             except ValueError as exc:
                 raise ValueError(f"config field policy ({retention} retention): {_policy_field_names(str(exc))}") from None
+        try:  # checked whichever mode is selected, as the retentions are
+            GiveBack(p.give_back_publish_window_s, p.give_back_renew_every_s, p.give_back_headroom, p.expiry_margin_s)
+        except ValueError as exc:
+            raise ValueError(f"config field policy (give_back): {_give_back_field_names(str(exc))}") from None
         from sim.clients import linger_distribution
 
         linger_distribution(self.clients)  # names the field it rejects
@@ -173,12 +198,21 @@ class SimConfig:
 
 
 # impl.policy names its constructor arguments; a user knows the config's names for them
-_POLICY_ARG_FIELDS = {"max_hold_s": "lease_max_hold_s", "quantile": "gap_quantile", "cap_s": "gap_ttl_cap_s"}
+_POLICY_ARG_FIELDS = {"max_hold_s": "lease_max_hold_s", "quantile": "gap_quantile", "cap_s": "gap_ttl_cap_s",
+                      "publish_window_s": "give_back_publish_window_s", "renew_every_s": "give_back_renew_every_s",
+                      "headroom_fraction": "give_back_headroom"}
 
 
 def _policy_field_names(message: str) -> str:
     head, sep, rest = message.partition(" ")
     return f"{_POLICY_ARG_FIELDS.get(head, head)}{sep}{rest}"
+
+
+def _give_back_field_names(message: str) -> str:
+    """GiveBack's message names its arguments anywhere in the text (the window rule names two)."""
+    for arg in ("publish_window_s", "renew_every_s", "headroom_fraction"):
+        message = message.replace(arg, _POLICY_ARG_FIELDS[arg])
+    return message
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

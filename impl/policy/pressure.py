@@ -104,6 +104,10 @@ class RetainedPool:
             self._compact()
         return -entry[1]
 
+    def blocks_of(self, key: Hashable) -> int:
+        entry = self._live.get(key)
+        return 0 if entry is None else -entry[1]
+
     def expiry(self, key: Hashable) -> float | None:
         entry = self._live.get(key)
         return None if entry is None else entry[0]
@@ -137,10 +141,11 @@ class RetainedPool:
             return VictimChoice((), 0, True)
         if short > self.blocks:
             return VictimChoice((), 0, False)
-        return _take_until(self._in_order(), short)
+        return _take_until(self.in_order(), short)
 
-    def _in_order(self) -> Iterator[tuple[Hashable, int]]:
-        # walk the heap lazily without mutating it: a small frontier heap of indices
+    def in_order(self) -> Iterator[tuple[Hashable, int]]:
+        """(key, blocks) of every holder in victim order, walked lazily: the heap is not mutated (a
+        small frontier heap of indices), so taking the first k costs O(k log k)."""
         frontier = [(self._heap[0], 0)] if self._heap else []
         while frontier:
             entry, i = heapq.heappop(frontier)

@@ -139,9 +139,11 @@ def test_queueing_and_saturation_are_called_out(tmp_path):
     result = run_cli("simulate", "--config", str(burst))
     assert result.returncode == 0, result.stderr
     assert "first turns: queueing is" in result.stderr and "--num-prefill 2" in result.stderr
-    # 20k-token prompts every 0.3 s keep one P busy all the time
+    # 20k-token prompts every 0.3 s keep one P busy all the time; a short TTL keeps D's memory out of it
+    # (at vLLM's 480 s the 200 retained prompts fill D and the last turns wait at D, not at P)
     hot = _trace(tmp_path / "hot.jsonl", [(i * 300, 20000, i * 1000) for i in range(200)])
-    result = run_cli("simulate", "--trace", str(hot), "--json")
+    ttl = ("--decoder-kv-blocks-ttl", "10")
+    result = run_cli("simulate", "--trace", str(hot), "--json", *ttl)
     payload = _strict_loads(result.stdout)
     assert payload["runs"]["on"]["prefill_utilisation"]["p0"] >= 0.95
     assert any("prefill utilisation p0" in w for w in payload["warnings"]) and "warning: [on] prefill" in result.stderr
@@ -150,7 +152,8 @@ def test_queueing_and_saturation_are_called_out(tmp_path):
 
     suggested = int(re.search(r"--num-prefill (\d+) keeps them", result.stderr).group(1))
     assert suggested >= 2
-    calmer = _strict_loads(run_cli("simulate", "--trace", str(hot), "--json", "--num-prefill", str(suggested)).stdout)
+    calmer = _strict_loads(run_cli("simulate", "--trace", str(hot), "--json", "--num-prefill", str(suggested),
+                                   *ttl).stdout)
     assert max(calmer["runs"]["on"]["prefill_utilisation"].values()) < 0.95 and calmer["warnings"] == []
     quiet = _strict_loads(run_cli("simulate", "--json", "--conversations", "20").stdout)
     assert quiet["warnings"] == []

