@@ -17,7 +17,7 @@ here and nowhere else.
 """
 
 from impl.policy.continuation import ItemsPrompt, PromptView, canonical_messages, continues, sequence_digest
-from impl.policy.give_back import GiveBack, releases
+from impl.policy.give_back import GiveBack, GiveBackLedger, releases
 from impl.policy.placement import (
     InstanceLoad,
     KVAwareCost,
@@ -43,7 +43,7 @@ from impl.policy.store import ConversationEntry, ConversationStore, Lookup, Miss
 
 __all__ = [
     "BlockHolder", "BreakEvenThreshold", "ConversationEntry", "ConversationStore", "DecisionReason",
-    "FixedTTL", "FixedThreshold", "GapQuantileTTL", "GiveBack", "HeartbeatLease", "InstanceLoad", "ItemsPrompt",
+    "FixedTTL", "FixedThreshold", "GapQuantileTTL", "GiveBack", "GiveBackLedger", "HeartbeatLease", "InstanceLoad", "ItemsPrompt",
     "KVAwareCost", "KVCostModel", "LeastLoaded", "LeastLoadedIndex", "Lookup", "MissReason", "PlacementPolicy",
     "PlacementRequest", "PromptView", "PullCandidate", "RecomputeDecision", "RecomputePolicy",
     "RetainedPool", "RetentionPolicy", "RoundRobin", "TransferPath", "VictimChoice",

@@ -113,3 +113,99 @@ def releases(pool: RetainedPool, shortfall_blocks: int, lapsing: Container[Hasha
         if freed >= shortfall_blocks:
             break
     return out
+
+
+@dataclass(slots=True)
+class _Entry:
+    finished_at: float
+    intended: float  # what the retention policy wants (its expiry on finish, or a lease's renewal)
+    published: float  # the latest expiry D has published: only ever grows
+    withheld_at: float = math.nan  # when its renewals stopped (nan: still renewed)
+
+    @property
+    def lapsing(self) -> bool:
+        return not math.isnan(self.withheld_at)
+
+
+class GiveBackLedger:
+    """What D has published for each retained entry, and when each may be freed: the connector's
+    bookkeeping of :class:`GiveBack` (the simulator keeps the same facts in its block pool).
+
+    The one rule it enforces: an entry is freed at the latest expiry D ever published for it (or its
+    intended expiry, whichever D reaches first while renewing), never sooner, and nothing is
+    published for an entry after its renewals stop.
+    """
+
+    __slots__ = ("rules", "_entries", "pool", "lapsing_blocks")
+
+    def __init__(self, rules: GiveBack) -> None:
+        self.rules = rules
+        self._entries: dict[Hashable, _Entry] = {}
+        self.pool = RetainedPool()  # every held entry by intended expiry: the pressure order
+        self.lapsing_blocks = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, key: Hashable, blocks: int, finished_at: float, intended_expiry: float) -> float:
+        """A finished turn is retained: the expiry to publish with it."""
+        if key in self._entries:
+            raise ValueError(f"entry {key!r} is already retained")
+        published = self.rules.published_expiry(finished_at, intended_expiry, finished_at)
+        self._entries[key] = _Entry(finished_at, intended_expiry, published)
+        self.pool.add(key, blocks, intended_expiry)
+        return published
+
+    def renew(self, now: float) -> dict[Hashable, float]:
+        """The node's renewal: every entry still renewed gets its window moved up; returns those whose
+        published expiry grew (for D to publish: through the router to the next P)."""
+        out: dict[Hashable, float] = {}
+        rules = self.rules
+        for key, entry in self._entries.items():
+            if entry.lapsing:  # a lapsing lease stays lapsing
+                continue
+            new = rules.published_expiry(entry.finished_at, entry.intended, now)
+            if new > entry.published:
+                entry.published = new
+                out[key] = new
+        return out
+
+    def withhold_for(self, shortfall_blocks: int, now: float) -> list[Hashable]:
+        """Stop renewing the entries :func:`releases` names for ``shortfall_blocks``: they lapse at their
+        last published expiry. Returns them."""
+        lapsing = {k for k, e in self._entries.items() if e.lapsing}
+        keys = releases(self.pool, shortfall_blocks, lapsing)
+        for key in keys:
+            self._entries[key].withheld_at = now
+            self.lapsing_blocks += self.pool.blocks_of(key)
+        return keys
+
+    def is_lapsing(self, key: Hashable) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.lapsing
+
+    def published(self, key: Hashable) -> float | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.published
+
+    def free_at(self, key: Hashable) -> float:
+        """When the entry may be freed: its last published expiry once withheld, else its intended
+        expiry (D keeps renewing up to it and never publishes beyond it)."""
+        entry = self._entries[key]
+        return entry.published if entry.lapsing else entry.intended
+
+    def due(self, now: float) -> list[Hashable]:
+        """Entries that may be freed at ``now``."""
+        return [k for k in self._entries if now >= self.free_at(k)]
+
+    def remove(self, key: Hashable) -> None:
+        """The entry is gone (freed when due, or read and released by its reader)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        blocks = self.pool.discard(key)
+        if entry.lapsing:
+            self.lapsing_blocks -= blocks
