@@ -433,6 +433,16 @@ def capacity_warnings(results: dict, config: SimConfig) -> list[str]:
                            f"{ttft * 1e3:,.0f} ms), so TTFT here is mostly waiting, not prefill or reuse; add "
                            f"prefill instances (--num-prefill {more} or more) or lower the arrival rate")
                 break
+        if s.get("d_waits_behind_retained"):
+            wait = s["d_wait"]
+            fix = ("a shorter --decoder-kv-blocks-ttl, or --retained-under-pressure give_back (D gives retained KV back "
+                   "under pressure)" if config.policy.retained_under_pressure == "pinned" else
+                   "a larger --give-back-headroom (memory given back before it is needed) or a shorter "
+                   "--give-back-publish-window-s" if config.policy.retained_under_pressure == "give_back" else
+                   "more decode memory")
+            out.append(f"[{mode}] D's memory binds: {s['d_waits_behind_retained']:,} waits for blocks that retained turns "
+                       f"held (turns waited up to {_num(wait['p99_ms'] / 1e3, ',.1f')} s at p99, "
+                       f"{_num(wait['total_s'], ',.0f')} s in all); try {fix}")
         if s.get("rejected"):
             out.append(f"[{mode}] {s['rejected']:,} turns did not complete (see records.csv 'rejected' with --out)")
     return out
@@ -494,10 +504,32 @@ def format_comparison(results: dict, workload: dict | None = None, config: SimCo
             f"{_num(s['ttft']['p90_ms'])} ms  later turns reusing D's KV {hit}  recomputed tokens "
             f"{s['tokens_recomputed']:,}  retained {_num(s['retained_hbm_gb_s'])} GB*s (peak "
             f"{_num(s['peak_retained_hbm_gb'], ',.1f')} GB)  P utilisation {util or '-'}  preemptions {s['preemptions']}")
+        memory = decode_memory_line(s)
+        if memory:
+            lines.append(f"[{m}] {memory}")
         if s.get("tokens_offered"):  # P pulls only the prefix it verified equal to its prompt's token ids
             lines.append(f"[{m}] D's tokens offered {s['tokens_offered']:,}  verified {s['tokens_verified']:,}  "
                          f"pulled {s['tokens_pulled']:,}")
     return "\n".join(lines)
+
+
+def decode_memory_line(s: dict) -> str:
+    """What D's memory cost: turns that waited for blocks, preemptions, what was given back ('' if nothing)."""
+    parts = []
+    wait = s.get("d_wait") or {}
+    if wait.get("n"):
+        parts.append(f"{wait['n']:,} turns waited at D for blocks (p50 {_num(wait['p50_ms'] / 1e3, ',.1f')} s, p90 "
+                     f"{_num(wait['p90_ms'] / 1e3, ',.1f')} s, p99 {_num(wait['p99_ms'] / 1e3, ',.1f')} s), "
+                     f"{s['d_waits_behind_retained']:,} of {s['d_waits']:,} waits behind retained blocks")
+    if s.get("preemptions"):
+        parts.append(f"{s['preemptions']:,} preemptions ({s['preemptions_behind_retained']:,} while retained blocks "
+                     "held part of the pool)")
+    if s.get("given_back"):
+        parts.append(f"given back {s['given_back']:,} retained turns ({s['given_back_blocks']:,} blocks) in "
+                     f"{_num(s['give_back_mean_s'], ',.1f')} s on average")
+    if s.get("declined_freed"):
+        parts.append(f"{s['declined_freed']:,} retained turns freed when P declined them")
+    return ("D memory: " + "; ".join(parts)) if parts else ""
 
 
 def write_outputs(out: pathlib.Path, result: Any, parquet: bool) -> None:

@@ -291,3 +291,16 @@ def test_turns_that_cannot_fit_one_decode_instance_are_rejected_and_the_rest_com
         r = by[("other", "outgrows", turn)]
         assert not r.rejected and math.isfinite(r.completion_s)
     assert by[("other", "outgrows", 1)].reused_tokens > 0  # its own previous turn, pulled from D
+
+
+def test_give_back_shortens_the_waits_pinned_retention_causes_and_keeps_more_reuse_than_dropping():
+    _, pinned = run(_tight_decode("pinned", 480.0), _TIGHT)
+    cluster, give_back = run(_tight_decode("give_back", 480.0), _TIGHT)
+    _, dropping = run(_tight_decode("instant_drop", 480.0), _TIGHT)
+    s = give_back.summary
+    assert s["given_back"] > 0 and 0 < s["give_back_mean_s"] <= cluster.config.policy.give_back_publish_window_s
+    assert s["d_wait"]["total_s"] < pinned.summary["d_wait"]["total_s"] / 5
+    assert s["d_wait"]["p99_ms"] < pinned.summary["d_wait"]["p99_ms"] / 5
+    # what it gave back lapsed at its published expiry, so conversations that came back sooner still pulled
+    assert s["reuse_hit_rate"] > dropping.summary["reuse_hit_rate"]
+    assert cluster.decode[0].totals.peak_used_blocks <= 400 and cluster.decode[0].totals.dropped_under_pressure == 0
