@@ -68,12 +68,12 @@ class PolicyConfig:
         "pinned",
         "what D does with retained blocks when its pool runs short: pinned = vLLM (held until read or expired; new "
         "work waits, running sequences are preempted); give_back = bidikv's give-back mode (D publishes short "
-        "expiries, renews them while it has headroom and lets the ones impl.policy names lapse under pressure); "
+        "expiries, renews one when the router asks before a turn, and under pressure stops renewing the ones "
+        "impl.policy names: each is freed at its last published expiry, at once if no turn asked lately); "
         "instant_drop = frees them the moment they are needed (an upper bound: no D can do it safely, P's reads "
         "are one-sided)", choices=("pinned", "give_back", "instant_drop"))
-    give_back_publish_window_s: float = _f(30.0, "give_back: how far ahead D publishes an expiry (the worst-case "
-                                                 "time to give memory back)")
-    give_back_renew_every_s: float = _f(10.0, "give_back: how often D renews its published expiries")
+    give_back_publish_window_s: float = _f(15.0, "give_back: how far ahead D publishes an expiry (the worst-case "
+                                                 "time to give memory back; more than expiry_margin_s)")
     give_back_headroom: float = _f(0.05, "give_back: share of D's pool kept free or coming free (the watermark)")
     decline_frees_d: bool = _f(False, "P tells D when it declines a pull (threshold, expiry margin, verification), "
                                       "so D frees those blocks at once; stock vLLM does not (D holds them to the TTL)")
@@ -96,8 +96,7 @@ class PolicyConfig:
     def give_back(self) -> GiveBack | None:
         if self.retained_under_pressure != "give_back":
             return None
-        return GiveBack(self.give_back_publish_window_s, self.give_back_renew_every_s, self.give_back_headroom,
-                        self.expiry_margin_s)
+        return GiveBack(self.give_back_publish_window_s, self.give_back_headroom, self.expiry_margin_s)
 
     def placement_policy(self) -> Any:
         return {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAwareCost}[self.placement]()
@@ -188,7 +187,7 @@ class SimConfig:
             except ValueError as exc:
                 raise ValueError(f"config field policy ({retention} retention): {_policy_field_names(str(exc))}") from None
         try:  # checked whichever mode is selected, as the retentions are
-            GiveBack(p.give_back_publish_window_s, p.give_back_renew_every_s, p.give_back_headroom, p.expiry_margin_s)
+            GiveBack(p.give_back_publish_window_s, p.give_back_headroom, p.expiry_margin_s)
         except ValueError as exc:
             raise ValueError(f"config field policy (give_back): {_give_back_field_names(str(exc))}") from None
         from sim.clients import linger_distribution
@@ -199,8 +198,7 @@ class SimConfig:
 
 # impl.policy names its constructor arguments; a user knows the config's names for them
 _POLICY_ARG_FIELDS = {"max_hold_s": "lease_max_hold_s", "quantile": "gap_quantile", "cap_s": "gap_ttl_cap_s",
-                      "publish_window_s": "give_back_publish_window_s", "renew_every_s": "give_back_renew_every_s",
-                      "headroom_fraction": "give_back_headroom"}
+                      "publish_window_s": "give_back_publish_window_s", "headroom_fraction": "give_back_headroom"}
 
 
 def _policy_field_names(message: str) -> str:
@@ -210,7 +208,7 @@ def _policy_field_names(message: str) -> str:
 
 def _give_back_field_names(message: str) -> str:
     """GiveBack's message names its arguments anywhere in the text (the window rule names two)."""
-    for arg in ("publish_window_s", "renew_every_s", "headroom_fraction"):
+    for arg in ("publish_window_s", "headroom_fraction"):
         message = message.replace(arg, _POLICY_ARG_FIELDS[arg])
     return message
 

@@ -126,8 +126,11 @@ class DecodeNode:
             raise ValueError("give_back settings go with pressure_mode 'give_back' and only with it")
         self.drops_on_demand = pressure_mode == "instant_drop"
         self.give_back = give_back
-        # give_back: entries whose renewals stopped -> when they were withheld (they lapse at their pool expiry)
+        # give_back: entries whose renewals stopped -> when they were withheld (they lapse at their pool expiry),
+        # and every retained entry's last published expiry (at its finish or a client heartbeat's renewal;
+        # the router's ask just before P reads publishes one more, but the read takes the entry then)
         self._lapsing: dict[Any, float] = {}
+        self._published: dict[Any, float] = {}
         self.lapsing_blocks = 0
         self._headroom_blocks = give_back.headroom_blocks(capacity_blocks) if give_back is not None else 0
         self._expiry_wake_at = math.inf  # the expiry a timer will wake waiting turns at (inf: none armed)
@@ -205,6 +208,8 @@ class DecodeNode:
             self._integrate_retained(nxt)
             for key, blocks in retained.pop_expired(nxt):
                 tokens, revision, _, turn = self._retained_meta.pop(key)
+                if self._published:
+                    del self._published[key]
                 if self._lapsing and key in self._lapsing:
                     self._lapse_done(key, blocks, nxt)
                 else:
@@ -239,11 +244,13 @@ class DecodeNode:
         hold); called right after ``_advance_retention(now)``, so the retained blocks are integrated up to
         now."""
         retained = self.retained
-        if self._lapsing and key in self._lapsing:  # its next turn's blocks replace a lapsing entry
+        if self.give_back is not None and key in retained:  # its next turn's blocks replace the entry
             self._forget_lapsing(key, retained.discard(key))
         retained.add(key, blocks, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
+        if self.give_back is not None:
+            self._published[key] = self.give_back.published_expiry(expires_at, now)
         self._retained_meta[key] = (tokens, revision, now, turn)
         self._fate.pop(key, None)
         totals = self.totals
@@ -353,8 +360,7 @@ class DecodeNode:
         self._integrate_retained(now)
         retained, totals = self.retained, self.totals
         for key in victims:
-            finished_at = self._retained_meta[key][2]
-            free_at = give_back.free_at(finished_at, retained.expiry(key), now)  # type: ignore[arg-type]
+            free_at = give_back.free_at(self._published[key], now)
             blocks = retained.discard(key)
             retained.add(key, blocks, free_at)
             if free_at < self._expiry_bound:
@@ -372,7 +378,10 @@ class DecodeNode:
         self._fate[key] = "given_back"
 
     def _forget_lapsing(self, key: Any, blocks: int) -> None:
-        """A lapsing entry left the pool another way (read, taken by its next turn, replaced)."""
+        """A retained entry left the pool another way than expiry (read, taken by its next turn,
+        replaced, declined): its give-back bookkeeping goes too."""
+        if self._published:
+            self._published.pop(key, None)
         if self._lapsing.pop(key, None) is not None:
             self.lapsing_blocks -= blocks
 
@@ -396,11 +405,14 @@ class DecodeNode:
         expires_at = self.retained.expiry(key)
         lapsing = self._lapsing and key in self._lapsing
         # vLLM's P declines reads this close to expiry (``expires_at``: retained, so not None); a lapsing
-        # entry's expiry is its last published one (impl.policy.give_back)
-        if now >= usable_until(expires_at, self.margin):  # type: ignore[arg-type]
-            return "given_back" if lapsing else "expired"
-        blocks = self.retained.discard(key)
+        # entry's is the last one D published (impl.policy.give_back: the router's ask renews no other)
         if lapsing:
+            if now >= usable_until(self._published[key], self.margin):
+                return "given_back"
+        elif now >= usable_until(expires_at, self.margin):  # type: ignore[arg-type]
+            return "expired"
+        blocks = self.retained.discard(key)
+        if self.give_back is not None:
             self._forget_lapsing(key, blocks)
         del self._retained_meta[key]
         self._reading[key] = (meta[0], meta[1], blocks, meta[3])
@@ -453,6 +465,10 @@ class DecodeNode:
             self.retained.add(key, self.retained.discard(key), renewed)
             if renewed < self._expiry_bound:
                 self._expiry_bound = renewed
+        if self.give_back is not None:  # the heartbeat's answer is a publication: D renews its window
+            published = self.give_back.published_expiry(renewed, now)  # type: ignore[arg-type]
+            if published > self._published[key]:
+                self._published[key] = published
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------

@@ -7,34 +7,31 @@ with a one-sided NIXL READ that D neither sees nor can refuse, at any time befor
 published (``remote_blocks_expiry_time``, which P checks, declining within a margin of it). A block
 freed and reused while some P still holds its address would be read as another request's KV.
 
-The protocol here makes that impossible by construction:
+The protocol here makes that impossible by construction, and gives idle memory back at once:
 
-1. **Short published expiries.** D publishes for each retained turn
-   ``min(intended, last renewal + publish_window_s)``, where ``intended`` is what the retention
-   policy wants (finish + TTL, a lease, ...) and renewals happen every ``renew_every_s`` on one
-   schedule for the whole node (:meth:`GiveBack.last_renewal`). Published expiries only ever grow.
-2. **Renewal while there is headroom.** At each renewal D publishes the new expiry (through the
-   router, which forwards it to the next P). While its pool has headroom nothing changes for reuse:
-   ``publish_window_s - renew_every_s > expiry margin`` keeps every published expiry further ahead
-   than the margin at which P declines.
-3. **Give back by withholding renewals, never by freeing early.** When free blocks (plus blocks
-   already coming free) fall below the headroom watermark, or a request waits for blocks, D stops
-   renewing the entries :func:`impl.policy.pressure` orders first, until enough are coming free; each
-   such *lapsing* entry is freed at its last published expiry (:meth:`GiveBack.free_at`), never before.
+1. **Short published expiries, renewed on use.** With a finished turn D publishes
+   ``min(intended, finish + publish_window_s)``, where ``intended`` is what the retention policy
+   wants (finish + TTL, a lease). The router stores the entry until ``intended`` (it is told both),
+   and before it sends a turn's params to P it asks D (the heartbeat listener) to renew: D answers
+   ``min(intended, now + publish_window_s)`` and records it. Published expiries only ever grow.
+2. **Give back by not renewing, never by freeing early.** When free blocks (plus blocks already
+   coming free) fall below the headroom watermark, or a request waits for blocks, D marks the entries
+   :mod:`impl.policy.pressure` orders first as *lapsing*, until enough are coming free. A lapsing entry
+   is not renewed again and is freed at its last published expiry (:meth:`GiveBackLedger.free_at`):
+   at once if that is past, which it is for any entry no turn asked for within the window -- most
+   retained turns are idle, waiting for a user who may not come back.
 
-Why no read can overlap a free: P starts a read only while ``now_P + offset_error <
-published_seen - margin_s`` (vLLM's 5 s rule, with the handshake's clock offset), where
-``published_seen`` is some value D published (the router forwards D's values, possibly an older
-one: published expiries only grow, so an older one is smaller). A read takes less than the margin
-minus the clock error, so it ends before ``published_seen <= last published <= free time``.
-Lost, late or reordered renewals cost reuse (P declines earlier than it could have), never
-correctness. ``tests/policy/test_give_back.py`` checks this invariant under arbitrary orders of
-finishes, renewals, pressure, propagation and reads, and clock offsets.
+Why no read can overlap a free: P starts a read only while ``now_P + clock_error < published_seen -
+margin`` (vLLM's rule, with the handshake's clock offset), where ``published_seen`` is a value D
+published (the router forwards D's values, perhaps an older one: published expiries only grow, so
+an older one is smaller). A read takes less than the margin minus the clock error, so it ends before
+``published_seen <= last published <= free time``. Lost, late or reordered answers cost reuse (P
+declines sooner than it had to), never correctness. ``tests/policy/test_give_back.py`` checks this
+under arbitrary orders of finishes, renewals, pressure, propagation, reads and clock offsets.
 
-Costs: memory asked for at ``t`` is back by ``t + publish_window_s`` at the latest (the furthest a
-published expiry ever reaches), ``publish_window_s - renew_every_s`` at the earliest; the watermark
-starts that clock before memory is needed. A lapsing conversation that returns before its free time
-is still read; after it, it is recomputed: that is the reuse given up.
+Costs: memory asked for at ``t`` is back by ``t + publish_window_s`` at the latest (an entry renewed
+just before), at ``t`` for every entry not renewed within the window. A lapsing conversation that
+returns before its free time is still read; after it, it is recomputed: that is the reuse given up.
 """
 
 from __future__ import annotations
@@ -50,41 +47,33 @@ from impl.policy.pressure import RetainedPool
 class GiveBack:
     """The give-back protocol's settings and rules (pure: every time is passed in, on D's clock)."""
 
-    publish_window_s: float = 30.0
-    renew_every_s: float = 10.0
+    publish_window_s: float = 15.0
     headroom_fraction: float = 0.05
     expiry_margin_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("publish_window_s", "renew_every_s", "expiry_margin_s"):
+        for name in ("publish_window_s", "expiry_margin_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if self.renew_every_s <= 0:
-            raise ValueError(f"renew_every_s must be > 0, got {self.renew_every_s!r}")
-        if self.publish_window_s - self.renew_every_s <= self.expiry_margin_s:
-            raise ValueError(
-                "publish_window_s - renew_every_s must exceed the expiry margin, or P declines entries D still "
-                f"renews (got window {self.publish_window_s}, renewal every {self.renew_every_s}, margin "
-                f"{self.expiry_margin_s})")
+        if self.publish_window_s <= self.expiry_margin_s:
+            # what is left of the window beyond the margin is the time the router's ask, P's queue and
+            # P's check may take before P declines what D just renewed for it
+            raise ValueError(f"publish_window_s must exceed the expiry margin, or P declines what D just renewed "
+                             f"for it (got window {self.publish_window_s}, margin {self.expiry_margin_s})")
         if not (isinstance(self.headroom_fraction, (int, float)) and 0 <= self.headroom_fraction < 1):
             raise ValueError(f"headroom_fraction must be in [0, 1), got {self.headroom_fraction!r}")
 
-    def last_renewal(self, now: float) -> float:
-        """The node's most recent renewal at or before ``now`` (renewals at multiples of renew_every_s)."""
-        return math.floor(now / self.renew_every_s) * self.renew_every_s
-
-    def published_expiry(self, finished_at: float, intended_expiry: float, now: float) -> float:
-        """What D has published for an entry it kept renewing up to ``now``: its finish, or the last
-        renewal since, plus the window, never beyond what the retention policy intends."""
-        renewed = self.last_renewal(now)
-        base = finished_at if finished_at > renewed else renewed
-        end = base + self.publish_window_s
+    def published_expiry(self, intended_expiry: float, now: float) -> float:
+        """What D publishes when it finishes a turn or renews one at ``now``: the window, never beyond
+        what the retention policy intends."""
+        end = now + self.publish_window_s
         return intended_expiry if intended_expiry < end else end
 
-    def free_at(self, finished_at: float, intended_expiry: float, withheld_at: float) -> float:
-        """When an entry whose renewals stop at ``withheld_at`` may be freed: its last published expiry."""
-        return self.published_expiry(finished_at, intended_expiry, withheld_at)
+    def free_at(self, last_published: float, withheld_at: float) -> float:
+        """When an entry whose renewals stop at ``withheld_at`` may be freed: its last published expiry,
+        or at once if that has passed."""
+        return last_published if last_published > withheld_at else withheld_at
 
     def headroom_blocks(self, capacity_blocks: int) -> int:
         return math.ceil(self.headroom_fraction * capacity_blocks)
@@ -117,7 +106,6 @@ def releases(pool: RetainedPool, shortfall_blocks: int, lapsing: Container[Hasha
 
 @dataclass(slots=True)
 class _Entry:
-    finished_at: float
     intended: float  # what the retention policy wants (its expiry on finish, or a lease's renewal)
     published: float  # the latest expiry D has published: only ever grows
     withheld_at: float = math.nan  # when its renewals stopped (nan: still renewed)
@@ -131,9 +119,9 @@ class GiveBackLedger:
     """What D has published for each retained entry, and when each may be freed: the connector's
     bookkeeping of :class:`GiveBack` (the simulator keeps the same facts in its block pool).
 
-    The one rule it enforces: an entry is freed at the latest expiry D ever published for it (or its
-    intended expiry, whichever D reaches first while renewing), never sooner, and nothing is
-    published for an entry after its renewals stop.
+    The one rule it enforces: a lapsing entry is freed at the latest expiry D ever published for it,
+    never sooner, and nothing is published for an entry once it lapses. An entry that keeps being
+    renewed lives to its intended expiry (D never publishes beyond it).
     """
 
     __slots__ = ("rules", "_entries", "pool", "lapsing_blocks")
@@ -154,24 +142,29 @@ class GiveBackLedger:
         """A finished turn is retained: the expiry to publish with it."""
         if key in self._entries:
             raise ValueError(f"entry {key!r} is already retained")
-        published = self.rules.published_expiry(finished_at, intended_expiry, finished_at)
-        self._entries[key] = _Entry(finished_at, intended_expiry, published)
+        published = self.rules.published_expiry(intended_expiry, finished_at)
+        self._entries[key] = _Entry(intended_expiry, published)
         self.pool.add(key, blocks, intended_expiry)
         return published
 
-    def renew(self, now: float) -> dict[Hashable, float]:
-        """The node's renewal: every entry still renewed gets its window moved up; returns those whose
-        published expiry grew (for D to publish: through the router to the next P)."""
-        out: dict[Hashable, float] = {}
-        rules = self.rules
-        for key, entry in self._entries.items():
-            if entry.lapsing:  # a lapsing lease stays lapsing
-                continue
-            new = rules.published_expiry(entry.finished_at, entry.intended, now)
-            if new > entry.published:
-                entry.published = new
-                out[key] = new
-        return out
+    def renew(self, key: Hashable, now: float) -> float | None:
+        """The router asks before it sends a turn to P: the expiry to publish now, or None when the entry
+        is lapsing or gone (then the router forwards nothing newer: P reads only before the expiry it
+        already has, if that is still ahead)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.lapsing:
+            return None
+        new = self.rules.published_expiry(entry.intended, now)
+        if new > entry.published:
+            entry.published = new
+        return entry.published
+
+    def extend(self, key: Hashable, intended_expiry: float) -> None:
+        """The retention policy moved the intended expiry (a lease's heartbeat): later only."""
+        entry = self._entries.get(key)
+        if entry is not None and not entry.lapsing and intended_expiry > entry.intended:
+            entry.intended = intended_expiry
+            self.pool.add(key, self.pool.discard(key), intended_expiry)
 
     def withhold_for(self, shortfall_blocks: int, now: float) -> list[Hashable]:
         """Stop renewing the entries :func:`releases` names for ``shortfall_blocks``: they lapse at their
@@ -192,10 +185,10 @@ class GiveBackLedger:
         return None if entry is None else entry.published
 
     def free_at(self, key: Hashable) -> float:
-        """When the entry may be freed: its last published expiry once withheld, else its intended
-        expiry (D keeps renewing up to it and never publishes beyond it)."""
+        """When the entry may be freed: once lapsing, its last published expiry (or when it lapsed, if
+        that was later); else its intended expiry."""
         entry = self._entries[key]
-        return entry.published if entry.lapsing else entry.intended
+        return self.rules.free_at(entry.published, entry.withheld_at) if entry.lapsing else entry.intended
 
     def due(self, now: float) -> list[Hashable]:
         """Entries that may be freed at ``now``."""
