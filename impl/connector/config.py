@@ -36,6 +36,14 @@ bidikv_gap_initial_s               TTL        GapQuantileTTL.initial_s (default 
 bidikv_gap_min_samples             20         GapQuantileTTL.min_samples   (``gap_quantile`` only)
 bidikv_gap_window                  2048       GapQuantileTTL.window        (``gap_quantile`` only)
 bidikv_gap_margin_s                5          GapQuantileTTL.margin_s      (``gap_quantile`` only)
+bidikv_retained_under_pressure     "pinned"   D: ``pinned`` as vLLM (retained blocks held until read or expired, whatever
+                                              the pool's state); ``give_back``: impl.policy.give_back (short
+                                              published expiries the router renews before each turn; under
+                                              pressure D stops renewing the entries impl.policy names and frees
+                                              each at its last published expiry). Needs the heartbeat listener
+bidikv_give_back_publish_window_s  15         GiveBack.publish_window_s: how far ahead D publishes (``give_back``)
+bidikv_give_back_headroom          0.05       GiveBack.headroom_fraction: share of the pool kept free or coming
+                                              free (``give_back``)
 bidikv_nixl_progress_thread        true       NIXL agent progress thread (``nixl_agent_config
                                               (enable_prog_thread=...)``); it must run for a holder's
                                               blocks to be readable while its engine is idle
@@ -76,6 +84,7 @@ from impl.policy import (
     FixedThreshold,
     FixedTTL,
     GapQuantileTTL,
+    GiveBack,
     HeartbeatLease,
     RecomputePolicy,
     RetentionPolicy,
@@ -120,8 +129,14 @@ _OTHER_KEYS = (
     "bidikv_heartbeat_port",
     "bidikv_heartbeat_host",
     "bidikv_require_verified_prefix",
+    "bidikv_retained_under_pressure",
 )
-KNOWN_BIDIKV_KEYS = frozenset(_OTHER_KEYS) | frozenset(_LEASE_KEYS) | frozenset(_GAP_KEYS)
+_GIVE_BACK_KEYS = {key: (name, _field_default(GiveBack, name)) for key, name in (
+    ("bidikv_give_back_publish_window_s", "publish_window_s"),
+    ("bidikv_give_back_headroom", "headroom_fraction"),
+)}
+RETAINED_UNDER_PRESSURE = ("pinned", "give_back")
+KNOWN_BIDIKV_KEYS = frozenset(_OTHER_KEYS) | frozenset(_LEASE_KEYS) | frozenset(_GAP_KEYS) | frozenset(_GIVE_BACK_KEYS)
 
 
 class ConfigError(ValueError):
@@ -203,6 +218,8 @@ class ConnectorSettings:
     heartbeat_port: int = 0
     heartbeat_host: str = "0.0.0.0"
     require_verified_prefix: bool = True
+    retained_under_pressure: str = "pinned"
+    give_back: dict[str, float] = field(default_factory=dict)
     recompute_policy: RecomputePolicy = field(default=FixedThreshold(VLLM_DEFAULT_THRESHOLD), compare=False)
     explicit_keys: frozenset[str] = frozenset()
 
@@ -255,6 +272,22 @@ class ConnectorSettings:
             else:
                 gap[name] = _seconds(extra, key, ttl if name == "initial_s" else default)
 
+        under_pressure = _choice(extra, "bidikv_retained_under_pressure", _default("retained_under_pressure"),
+                                 RETAINED_UNDER_PRESSURE)
+        give_back: dict[str, float] = {}
+        if under_pressure != "give_back":
+            stray = sorted(k for k in _GIVE_BACK_KEYS if k in extra)
+            if stray:
+                raise ConfigError(stray[0], "only applies with bidikv_retained_under_pressure 'give_back', but it is "
+                                            f"'{under_pressure}'")
+        else:
+            window_key, headroom_key = _GIVE_BACK_KEYS
+            give_back["publish_window_s"] = _seconds(extra, window_key, _GIVE_BACK_KEYS[window_key][1], positive=True)
+            headroom = extra.get(headroom_key, _GIVE_BACK_KEYS[headroom_key][1])
+            if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+                raise ConfigError(headroom_key, f"must be a number in [0, 1), got {headroom!r}")
+            give_back["headroom_fraction"] = float(headroom)
+
         settings = cls(
             bidirectional=bidirectional,
             kv_recompute_threshold=threshold,
@@ -277,10 +310,13 @@ class ConnectorSettings:
             heartbeat_host=_host(extra, "bidikv_heartbeat_host"),
             require_verified_prefix=_bool(extra, "bidikv_require_verified_prefix",
                                           _default("require_verified_prefix")),
+            retained_under_pressure=under_pressure,
+            give_back=give_back,
             recompute_policy=policy,
             explicit_keys=frozenset(k for k in extra if isinstance(k, str)),
         )
         settings.make_retention()  # constructor-level checks (e.g. heartbeat interval < lease) fail now
+        settings.make_give_back()
         return settings
 
     def make_retention(self) -> RetentionPolicy:
@@ -292,6 +328,13 @@ class ConnectorSettings:
             names = {name: key for key, (name, _) in _GAP_KEYS.items()}
             return _construct(names, "bidikv_retention", lambda: GapQuantileTTL(**self.gap), self.explicit_keys)
         return _construct({}, "decoder_kv_blocks_ttl", lambda: FixedTTL(self.decoder_kv_blocks_ttl))
+
+    def make_give_back(self) -> GiveBack | None:
+        """The give-back rules D runs (None: pinned, as vLLM), with P's 5 s expiry margin."""
+        if self.retained_under_pressure != "give_back":
+            return None
+        names = {name: key for key, (name, _) in _GIVE_BACK_KEYS.items()}
+        return _construct(names, "bidikv_retained_under_pressure", lambda: GiveBack(**self.give_back), self.explicit_keys)
 
     def agent_config_overrides(self) -> dict[str, Any]:
         """Keyword arguments forced onto vLLM's ``nixl_agent_config(...)`` call."""

@@ -26,6 +26,17 @@ the bytes). What changes relative to vLLM 0.32's ``NixlPullConnectorScheduler``:
   heartbeats the router relays to D's heartbeat listener (``bidikv_heartbeat_port``,
   :mod:`impl.connector.heartbeat`): its threads only queue them; this thread applies them at every
   step and during the idle wait below, and the listener's URL reaches the router in the notification.
+* **Giving retained KV back under pressure** (``bidikv_retained_under_pressure: "give_back"``,
+  :mod:`impl.policy.give_back`). vLLM pins a retained turn's blocks until P reads them or the TTL
+  passes, so a D short of blocks makes new work wait at the head of its queue for up to the TTL. Here
+  D publishes a short expiry with each retained turn (``remote_blocks_expiry_time``; the router keeps
+  the entry until the retention policy's expiry, sent as the notification's ``expires_in_s``), the
+  router renews it through the heartbeat listener just before it sends a turn to P, and at every step
+  D compares its free blocks (vLLM's block pool, which counts evictable cached blocks) and the head
+  waiting request's need with the headroom watermark: short, it stops renewing the entries the policy
+  orders first and hands the worker their last published expiry as the new deadline (vLLM's worker
+  takes a re-sent deadline), so it frees them then -- at once for an entry no turn asked for within
+  the window -- and never before any expiry a P was given.
 * **Notification** of the router (vLLM 0.32, :mod:`impl.connector.notify`), queued here, posted by
   a background thread.
 * **Idle-step throttle** (``build_connector_meta``). While a node holds blocks for a peer (D for
@@ -58,7 +69,8 @@ from impl.connector.heartbeat import HeartbeatListener
 from impl.connector.notify import NOTIFY_KEY, Notifier, parse_notify_field
 from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_block_size_of, report_of
 from impl.connector.stats import BidikvKVConnectorStats
-from impl.policy import PullCandidate, RecomputeDecision, TransferPath
+from impl.policy import GiveBackLedger, PullCandidate, RecomputeDecision, TransferPath
+from impl.policy.give_back import RENEW_BEFORE_READ_KEY
 from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
 
 if TYPE_CHECKING:
@@ -100,6 +112,32 @@ def _find_engine_inbox() -> queue.Queue | None:
         del frame
 
 
+def _find_vllm_scheduler() -> Any:
+    """vLLM's Scheduler calling us (its ``_build_kv_connector_meta``), or None: the owner of the
+    block pool and the waiting queue, which the connector API does not pass to a connector."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(12):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "kv_cache_manager") and hasattr(owner, "waiting"):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _block_count(block_ids: Any) -> int:
+    """Blocks a finished request holds: its largest group's (a flat list is one group); at least 1."""
+    if not isinstance(block_ids, (list, tuple)) or not block_ids:
+        return 1
+    if isinstance(block_ids[0], int):
+        return len(block_ids)
+    return max(1, max(len(group) for group in block_ids))
+
+
 def _count(value: Any) -> int | None:
     """A token count from a peer's params, or None if it is not a non-negative integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -133,6 +171,14 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self._engine_inbox = _find_engine_inbox()
         self._warned_host_buffer = False
         self.heartbeats = self._start_heartbeat_listener(vllm_config, engine_id)
+        give_back = settings.make_give_back()
+        self.give_back = GiveBackLedger(give_back) if give_back is not None else None
+        if self.give_back is not None and self.heartbeats is None \
+                and vllm_config.kv_transfer_config.kv_role != "kv_producer":
+            raise ConfigError("bidikv_retained_under_pressure", "'give_back' needs bidikv_heartbeat_port: the router "
+                              "renews each retained turn through D's heartbeat listener before P reads it")
+        self._vllm_scheduler: Any = None  # found at the first step (give_back only)
+        self.give_back_stats = collections.Counter()  # given_back, given_back_blocks, waits_seen
         # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
         self._reports: dict[str, ReuseReport] = {}  # request -> its read's report, counted when it finishes
@@ -305,6 +351,11 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             expiry = self.retention_policy.expiry_on_finish(now)
             self._reqs_need_send[request.request_id] = expiry
             out["remote_blocks_expiry_time"] = expiry
+            if self.give_back is not None:
+                self.give_back.remove(request.request_id)  # a re-finished id (never in vLLM) starts afresh
+                out["remote_blocks_expiry_time"] = self.give_back.add(request.request_id, _block_count(block_ids),
+                                                                      now, expiry)
+                out[RENEW_BEFORE_READ_KEY] = True
             self._retained[request.request_id] = (now, expiry)
             self._notify(request, request_params, out, expiry - now)
         else:
@@ -349,12 +400,55 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             # lapsed: the worker frees it at its next expiry scan, and a lapsed lease stays lapsed
             return {"status": "not_held", "reason": "expired"}
         renewed = self.renew(request_id, now)
+        if self.give_back is not None:
+            return self._answer_give_back(request_id, renewed, now)
         answer: dict[str, Any] = {"status": "held", "renewed": renewed > held[1], "retention": self.settings.retention,
                                   "expiry_time": renewed, "expires_in_s": max(0.0, renewed - now)}
         interval = getattr(self.retention_policy, "heartbeat_interval_s", None)
         if interval is not None:
             answer["heartbeat_interval_s"] = interval
         return answer
+
+    def _answer_give_back(self, request_id: str, intended: float, now: float) -> dict[str, Any]:
+        """give_back: a renewal the router asks for before P reads (or a client's heartbeat). The answer's
+        ``expiry_time`` is what D publishes (P's deadline: the window from now), ``expires_in_s`` how long
+        the router keeps the entry (the retention policy's expiry)."""
+        ledger = self.give_back
+        assert ledger is not None
+        published = ledger.renew(request_id, now)
+        if published is None:
+            last = ledger.published(request_id)
+            if last is None or now >= last - ledger.rules.expiry_margin_s:
+                # given back: freed at its last published expiry, which P may no longer read before
+                return {"status": "not_held", "reason": "given_back"}
+            # lapsing: P may still read it before the expiry it was given, and no later
+            return {"status": "held", "renewed": False, "retention": self.settings.retention, "given_back": True,
+                    "expiry_time": last, "expires_in_s": max(0.0, last - now)}
+        return {"status": "held", "renewed": True, "retention": self.settings.retention, "expiry_time": published,
+                "expires_in_s": max(0.0, intended - now)}
+
+    def _give_back_under_pressure(self) -> None:
+        """give_back, at every step: below the watermark (or with a request waiting), stop renewing what
+        the policy names; the worker frees each at its last published expiry (a re-sent deadline)."""
+        ledger, sched = self.give_back, self._vllm_scheduler
+        if ledger is None or not len(ledger) or sched is None:
+            return
+        pool = sched.kv_cache_manager.block_pool
+        capacity = pool.num_gpu_blocks - 1  # the null block is never handed out
+        waiting_blocks = 0
+        if len(sched.waiting):
+            head = sched.waiting.peek_request()
+            waiting_blocks = -(-head.num_tokens // self.block_size)
+        short = ledger.rules.shortfall(capacity, pool.get_num_free_blocks(), ledger.lapsing_blocks, waiting_blocks)
+        if not short:
+            return
+        now = self._clock()
+        for req_id in ledger.withhold_for(short, now):
+            self._reqs_need_send[req_id] = ledger.free_at(req_id)  # never before what P was given
+            self.give_back_stats["given_back"] += 1
+            self.give_back_stats["given_back_blocks"] += ledger.pool.blocks_of(req_id)
+            log.info("bidikv give-back: %s lapses (frees at its last published expiry, in %.1f s)", req_id,
+                     max(0.0, ledger.free_at(req_id) - now))
 
     def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any] | None,
                 expires_in_s: float | None) -> None:
@@ -384,7 +478,11 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         renewed = self.retention_policy.renew(expiry, finished_at, now)
         if renewed != expiry:
             self._retained[request_id] = (finished_at, renewed)
+            if self.give_back is not None and self.give_back.is_lapsing(request_id):
+                return expiry  # given back: a lapsing entry stays lapsing, its deadline stays
             self._reqs_need_send[request_id] = renewed
+            if self.give_back is not None:
+                self.give_back.extend(request_id, renewed)
         return renewed
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
@@ -401,6 +499,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         now = self._clock()
         for req_id in connector_output.finished_sending or ():
             held = self._retained.pop(req_id, None)
+            if self.give_back is not None:
+                self.give_back.remove(req_id)
             if held is None:
                 continue
             finished_at, expiry = held
@@ -410,10 +510,15 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
     # -- idle-step throttle ----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
         self._drain_heartbeats()  # renewed deadlines go out with this step's metadata
+        if self._vllm_scheduler is None:
+            self._vllm_scheduler = _find_vllm_scheduler()
+        self._give_back_under_pressure()  # and shortened ones (give_back)
         meta = super().build_connector_meta(scheduler_output)
         pause = self.settings.idle_step_sleep_s
+        # no idle throttling while a request waits for blocks: the step that frees them must come soon
+        waiting = self._vllm_scheduler is not None and len(self._vllm_scheduler.waiting)
         if (pause > 0 and scheduler_output.total_num_scheduled_tokens == 0 and not meta.reqs_to_recv
-                and not self._awaiting_recv):
+                and not self._awaiting_recv and not waiting):
             self.idle_sleeps += 1
             self._idle_wait(pause)
         return meta

@@ -42,6 +42,10 @@ from typing import Container, Hashable
 
 from impl.policy.pressure import RetainedPool
 
+# In D's kv_transfer_params: the router asks D to renew this turn (its heartbeat listener) before it sends
+# the params to P, and forwards the expiry D answers as remote_blocks_expiry_time
+RENEW_BEFORE_READ_KEY = "bidikv_renew_before_read"
+
 
 @dataclass(frozen=True, slots=True)
 class GiveBack:

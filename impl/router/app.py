@@ -121,6 +121,7 @@ class Router:
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
         self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.conversations, self.hub, self.metrics,
                                self.upstream_headers, lambda: self.notify_url)
+        self.proxy.renew_for_read = self.heartbeats.renew_for_read
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()

@@ -256,6 +256,24 @@ class HeartbeatRelay:
             extra["heartbeat_interval_s"] = answer["heartbeat_interval_s"]
         return self._ok(conversation_id, entry, now, renewed=renewed, **extra), outcome
 
+    async def renew_for_read(self, entry: ConversationEntry) -> tuple[str, float | None]:
+        """Give-back D (``bidikv_renew_before_read`` in its params): ask it to renew the turn P is about to
+        read. (outcome, expiry to forward as ``remote_blocks_expiry_time``): 'renewed' or 'lapsing' (D is
+        giving it back; P may read until the expiry it was given) with D's expiry; 'given_back' or another
+        not-held reason with None (nothing to read); a relay failure's outcome with None (the stored,
+        older expiry is forwarded: P declines it once it is near, never reads past it)."""
+        url = await self._listener_url(entry)
+        if url is None:
+            return "no_listener", None
+        try:
+            answer = await self._relay(url, entry)
+        except _RelayFailure as e:
+            self.metrics.upstream_errors.inc(entry.decode_instance, "decode", f"renew_{e.outcome}")
+            return e.outcome, None
+        if answer["status"] == "not_held":
+            return str(answer.get("reason") or "not_held"), None
+        return ("renewed" if answer["renewed"] else "lapsing"), answer["expiry_time"]
+
     async def _current(self, tenant: str, conversation_id: str) -> ConversationEntry | None:
         try:
             got = await self.store.get(tenant, conversation_id)

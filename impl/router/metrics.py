@@ -143,7 +143,12 @@ class RouterMetrics:
         self.reuse_misses = r.add(FoldedCounter(p + "reuse_misses_total", "Turns sent to P without reuse, by reason "
                                                 "(store: unknown -- including an id another tenant holds --, expired, guard, "
                                                 "evicted; router: no_conversation_id, unsupported; prefill_error: a hit "
-                                                "withdrawn after P failed with it).", ("reason",), fold={"tenant": "unknown"}))
+                                                "withdrawn after P failed with it; given_back: a give-back D freed it "
+                                                "under memory pressure).", ("reason",), fold={"tenant": "unknown"}))
+        self.give_back_renewals = r.add(Counter(p + "give_back_renewals_total", "Renewals asked of a give-back D "
+                                                "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
+                                                "read until its expiry; given_back; expired; unknown; no_listener; "
+                                                "unreachable; timeout; busy; bad_answer).", ("outcome",)))
         self.tokens_reused = r.add(Counter(p + "tokens_reused_total", "remote_num_tokens offered to P on hits "
                                            "(P pulls fewer when its own prefix cache covers part or below its threshold)."))
         self.ttft = r.add(Histogram(p + "ttft_seconds", "Router-observed time to first token: request received to "

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from impl.policy import ConversationEntry
+from impl.policy.give_back import RENEW_BEFORE_READ_KEY
 from impl.policy.prefix_check import REPORT_KEY
 from impl.router.capture import TurnCapture
 from impl.router.config import RouterConfig
@@ -59,6 +61,8 @@ FRESH_TURN_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 # Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
+# what a give-back D answers for a turn it no longer holds (impl.connector.heartbeat's not_held reasons)
+_NOT_HELD = ("given_back", "expired", "unknown", "other_engine", "not_held")
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
 # The fields P's and D's bodies set differently. The rest of the client's body (the history: nearly
 # all its bytes) is JSON-encoded once per turn and shared by both (see _SharedBody).
@@ -152,11 +156,13 @@ class TurnProxy:
         # which P last prefilled a conversation (its prefix cache likely holds it): KV-aware placement input
         self._affinity: collections.OrderedDict[tuple[str, str], tuple[str, int]] = collections.OrderedDict()
         self.recorder = TurnRecorder(config, store, hub, metrics, clock)
+        # give-back D's renewal before P reads (impl.router.heartbeat.HeartbeatRelay.renew_for_read; set by the app)
+        self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
         key = (tenant, turn.conversation_id) if turn.conversation_id is not None else None
-        offered = await self._lookup(turn, tenant, key)
+        offered, given_back = await self._lookup(turn, tenant, key)
         request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
         headers = dict(self.upstream_headers)
         headers["X-Request-Id"] = request_id
@@ -187,6 +193,8 @@ class TurnProxy:
                 "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
         if prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
+        if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
+            info["X-Bidikv-Reuse-Given-Back"] = "1"
         if offered is not None:
             self._account_reuse(prefill, info, key)
         handed_off = recorded = False
@@ -210,25 +218,37 @@ class TurnProxy:
                 self.hub.close(request_id)
 
     # -- 1. lookup --------------------------------------------------------------------------------
-    async def _lookup(self, turn: TurnRequest, tenant: str, key: tuple[str, str] | None) -> ConversationEntry | None:
+    async def _lookup(self, turn: TurnRequest, tenant: str,
+                      key: tuple[str, str] | None) -> tuple[ConversationEntry | None, bool]:
+        """The entry to offer P (or None), and whether D gave it back under pressure."""
         if key is None:
             self.metrics.reuse_misses.inc("no_conversation_id")
-            return None
+            return None, False
         if turn.view is None:
             self.metrics.reuse_misses.inc("unsupported")
-            return None
+            return None, False
         await self.recorder.wait_pending(key)  # the previous turn may still await D's notification
         try:
             found = await self.store.lookup(tenant, key[1], turn.view, self.clock())
         except StoreUnavailable:  # Redis down: the turn is served, without reuse (the store logged it once)
             self.metrics.reuse_misses.inc("store_unavailable")
-            return None
+            return None, False
         if found.entry is None:
             self.metrics.reuse_misses.inc(found.miss.value if found.miss else "unknown")
-            return None
+            return None, False
+        entry = found.entry
+        if entry.kv_params.get(RENEW_BEFORE_READ_KEY) and self.renew_for_read is not None:
+            # a give-back D publishes short expiries: renewed now, P gets a fresh one (impl.policy.give_back)
+            outcome, expiry = await self.renew_for_read(entry)
+            self.metrics.give_back_renewals.inc(outcome)
+            if expiry is not None:
+                entry = dataclasses.replace(entry, kv_params={**entry.kv_params, "remote_blocks_expiry_time": expiry})
+            elif outcome in _NOT_HELD:
+                self.metrics.reuse_misses.inc("given_back" if outcome == "given_back" else "expired")
+                return None, outcome == "given_back"
         self.metrics.reuse_hits.inc()
-        self.metrics.tokens_reused.inc(amount=found.entry.num_tokens)
-        return found.entry
+        self.metrics.tokens_reused.inc(amount=entry.num_tokens)
+        return entry, False
 
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
