@@ -87,6 +87,7 @@ _DEBUG = os.environ.get("BIDIKV_CONNECTOR_DEBUG") == "1"
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+_GIVEN_BACK_MEMORY = 65536  # request ids (~100 B each): far more than a pool's retained turns
 _IDLE_SLICE_S = 0.005  # how often an idle wait checks the engine's input queue
 _BLIND_IDLE_SLEEP_S = 0.01  # the longest idle wait when that queue cannot be seen
 
@@ -177,7 +178,9 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
                 and vllm_config.kv_transfer_config.kv_role != "kv_producer":
             raise ConfigError("bidikv_retained_under_pressure", "'give_back' needs bidikv_heartbeat_port: the router "
                               "renews each retained turn through D's heartbeat listener before P reads it")
-        self._vllm_scheduler: Any = None  # found at the first step (give_back only)
+        self._vllm_scheduler: Any = None  # found at the first step
+        # retained requests D gave back and freed, remembered (bounded) so a late renewal is told why
+        self._given_back: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.give_back_stats = collections.Counter()  # given_back, given_back_blocks, waits_seen
         # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
@@ -395,6 +398,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         held = self._retained.get(request_id)
         now = self._clock()
         if held is None:
+            if request_id in self._given_back:
+                return {"status": "not_held", "reason": "given_back"}
             return {"status": "not_held", "reason": "unknown"}  # read by P's next turn, or reaped
         if now > held[1]:
             # lapsed: the worker frees it at its next expiry scan, and a lapsed lease stays lapsed
@@ -500,6 +505,10 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         for req_id in connector_output.finished_sending or ():
             held = self._retained.pop(req_id, None)
             if self.give_back is not None:
+                if self.give_back.is_lapsing(req_id):
+                    self._given_back[req_id] = None
+                    if len(self._given_back) > _GIVEN_BACK_MEMORY:
+                        self._given_back.popitem(last=False)
                 self.give_back.remove(req_id)
             if held is None:
                 continue

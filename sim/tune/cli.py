@@ -12,7 +12,8 @@ import pathlib
 import sys
 from typing import Any
 
-from sim.tune.grid import DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S, parse_floats
+from sim.tune.grid import (DECODE_MODES, DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S,
+                           parse_floats)
 
 
 def register(subparsers: Any) -> None:
@@ -38,6 +39,10 @@ def register(subparsers: Any) -> None:
                    help="recompute thresholds in tokens or 'break_even' (default: %(default)s)")
     g.add_argument("--leases", default=",".join(f"{x:g}" for x in DEFAULT_LEASES_S), metavar="SECONDS,...",
                    help="heartbeat lease lengths in seconds, '' for none (default: %(default)s)")
+    g.add_argument("--decode-modes", default=",".join(DECODE_MODES), metavar="MODE,...",
+                   help="what D does with retained blocks under memory pressure, each configuration under each: pinned "
+                        "(vLLM: held until read or expired, new work waits) and give_back (bidikv's connector gives "
+                        "them back, never serving a freed block); default %(default)s")
     g.add_argument("--gap-quantiles", default=",".join(f"{x:g}" for x in DEFAULT_GAP_QUANTILES), metavar="Q,...",
                    help="quantiles of the observed think time to use as a learnt TTL, '' for none "
                         "(default: %(default)s)")
@@ -121,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     runs = Runs(args.executor, args.workers, args.progress)
     config = config_from_args(args)
     thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
-    grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"))
+    modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
+    grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"),
+                      modes)
     plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
     conversations = load_conversations(config)
     workload = describe_workload(config, conversations)

@@ -51,6 +51,10 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
         "retained_hbm_gb_s": s["retained_hbm_gb_s"], "peak_retained_hbm_gb": s["peak_retained_hbm_gb"],
         "preemptions": s["preemptions"], "rejected": s["rejected"], "dropped_under_pressure": s["dropped_under_pressure"],
         "reuse_hit_rate": s["reuse_hit_rate"], "sim_time_s": s["sim_time_s"], "heartbeats": s["heartbeats"],
+        # what D's memory cost: turns' time waiting for blocks, and how much of it retained blocks caused
+        "d_wait_total_s": s["d_wait"]["total_s"], "d_wait_p99_ms": s["d_wait"]["p99_ms"] if s["d_wait"]["n"] else 0.0,
+        "d_waits_behind_retained": s["d_waits_behind_retained"],
+        "preemptions_behind_retained": s["preemptions_behind_retained"], "given_back": s["given_back"],
         # capacity, for the tuner's warning that an answer is about queueing rather than reuse
         "prefill_utilisation_max": max(s["prefill_utilisation"].values(), default=0.0),
         "queue_share_of_ttft": (queued / sum(ttfts)) if sum(ttfts) > 0 else 0.0,

@@ -13,6 +13,9 @@ DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 3600.0)
 DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
 DEFAULT_LEASES_S = (30.0, 120.0)
 DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
+# what D does with retained blocks when its pool runs short (sim.config.PolicyConfig.retained_under_pressure):
+# vLLM's pinned blocks and bidikv's give-back, each configuration under both
+DECODE_MODES = ("pinned", "give_back")
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,27 @@ def _fmt_s(seconds: float) -> str:
 
 
 def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[str] = DEFAULT_THRESHOLDS,
-               leases_s: Sequence[float] = DEFAULT_LEASES_S, gap_quantiles: Sequence[float] = DEFAULT_GAP_QUANTILES) -> list[Candidate]:
-    """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, then the references."""
+               leases_s: Sequence[float] = DEFAULT_LEASES_S, gap_quantiles: Sequence[float] = DEFAULT_GAP_QUANTILES,
+               decode_modes: Sequence[str] = DECODE_MODES) -> list[Candidate]:
+    """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, each under every decode
+    mode (pinned rows keep their plain labels: vLLM's behaviour; give_back rows say so)."""
+    for mode in decode_modes:
+        if mode not in DECODE_MODES:
+            raise ValueError(f"--decode-modes: {mode!r} must be one of {', '.join(DECODE_MODES)}")
+    if not decode_modes:
+        raise ValueError("--decode-modes: name at least one of " + ", ".join(DECODE_MODES))
+    out: list[Candidate] = []
+    for base in _retention_grid(ttls_s, thresholds, leases_s, gap_quantiles):
+        for mode in decode_modes:
+            if mode == "pinned":
+                out.append(Candidate(base.label, {**base.policy, "retained_under_pressure": "pinned"}))
+            else:
+                out.append(Candidate(f"{base.label} {mode}", {**base.policy, "retained_under_pressure": mode}))
+    return out
+
+
+def _retention_grid(ttls_s: Sequence[float], thresholds: Sequence[str], leases_s: Sequence[float],
+                    gap_quantiles: Sequence[float]) -> list[Candidate]:
     out: list[Candidate] = []
     for threshold in thresholds:
         tp = _threshold_policy(threshold)

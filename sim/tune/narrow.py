@@ -57,7 +57,8 @@ def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float])
     out.update({
         "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"], "ttft_mean_ms": ttft["mean"],
         "retained_hbm_gb_s": figures["retained_hbm_gb_s_estimate"], "peak_retained_hbm_gb": math.nan,
-        "preemptions": 0, "rejected": 0, "dropped_under_pressure": 0, "heartbeats": 0,
+        "preemptions": 0, "rejected": 0, "dropped_under_pressure": 0, "heartbeats": 0, "d_wait_total_s": 0.0,
+        "d_wait_p99_ms": 0.0, "d_waits_behind_retained": 0, "preemptions_behind_retained": 0, "given_back": 0,
         "sim_time_s": sum(run_length_s) / 2, "prefill_utilisation_max": math.nan, "queue_share_of_ttft": math.nan,
         "ttft_cdf_ms": [], "retained_series": [], "screened": True,
         "bounds": {**{k: (ttft[k.split("_")[1]], math.inf) for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",

@@ -27,7 +27,7 @@ ROUTER_PORT = 9000
 HEARTBEAT_PORT = 5700
 # Scalar figures that decide whether two configurations gave the same result.
 _SAME_RESULT = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "tokens_recomputed", "tokens_reused",
-                "retained_hbm_gb_s", "peak_retained_hbm_gb", "preemptions", "rejected")
+                "retained_hbm_gb_s", "peak_retained_hbm_gb", "preemptions", "rejected", "d_wait_total_s")
 
 
 def _n(x: float | None, fmt: str = ",.0f") -> str:
@@ -69,11 +69,13 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
     rows = collapse(points, chosen)
     width = max(34, *(len(row_label(r, m)) + 2 for r, m in rows))
     head = (f"{'configuration':<{width}}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'HBM GB*s':>11}{'peak GB':>8}"
-            f"{'vs 480s':>8}{'compute%':>9}{'TTFT%':>7}{'bound%':>7}{'preempt':>8}{'rej':>5}  ")
+            f"{'vs 480s':>8}{'compute%':>9}{'TTFT%':>7}{'bound%':>7}{'D wait s':>9}{'preempt':>8}{'rej':>5}  ")
     lines = [f"objective: minimise {objective} (ms: TTFT; HBM: retained decode KV; compute% / TTFT%: share of the "
              "oracle's saving over bidirectional OFF -- the oracle is clairvoyant retention with time-optimal pulls, "
              "a reference, not a bound: over 100 beats it; bound%: share of the most compute any configuration can "
-             "save, every turn reusing all P could verify of D's blocks, a true bound)", head]
+             "save, every turn reusing all P could verify of D's blocks, a true bound; D wait s: turns' time waiting "
+             "for decode blocks, summed; preempt: running sequences preempted; give_back rows: D gives retained KV "
+             "back under pressure, the others pin it as vLLM does)", head]
     order = sorted(rows, key=lambda rm: (rm[0].candidate.kind != "sweep", rm[0].metrics[OBJECTIVES[objective]]))
     for p, members in order:
         m = p.metrics
@@ -86,7 +88,7 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
                      f"{_n(m['retained_hbm_gb_s']):>11}{_n(m['peak_retained_hbm_gb'], ',.1f'):>8}"
                      f"{_n(p.hbm_vs_default, '.2f'):>8}{_n(p.compute_saving_pct_of_oracle, '.1f'):>9}"
                      f"{_n(p.ttft_saving_pct_of_oracle, '.1f'):>7}{_n(p.compute_saving_pct_of_bound, '.1f'):>7}"
-                     f"{m['preemptions']:>8}{m['rejected']:>5}  {mark}")
+                     f"{_n(m.get('d_wait_total_s', 0.0), ',.0f'):>9}{m['preemptions']:>8}{m['rejected']:>5}  {mark}")
     lines.append("(* recommended, F on the Pareto frontier of objective vs retained HBM*s; \"= thr ...\": those "
                  "thresholds gave exactly the same results" + ("; ~ screened, not simulated: reuse figures exact, TTFT "
                  "a lower bound (>), HBM*s an estimate within bounds (--json), never recommended)"
@@ -124,6 +126,14 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
                        bidikv_heartbeat_port=HEARTBEAT_PORT)
     elif retention == "gap_quantile":
         d_extra.update(bidikv_retention="gap_quantile", bidikv_gap_quantile=pol["gap_quantile"])
+    if pol.get("retained_under_pressure") == "give_back" and not off:
+        # the router renews each retained turn through D's listener before P reads it
+        ours = True
+        d_extra.update(bidikv_retained_under_pressure="give_back", bidikv_heartbeat_port=HEARTBEAT_PORT)
+        for key, field in (("bidikv_give_back_publish_window_s", "give_back_publish_window_s"),
+                           ("bidikv_give_back_headroom", "give_back_headroom")):
+            if field in pol:
+                d_extra[key] = pol[field]
     base = {"kv_connector": "NixlConnector"}
     if ours:
         base["kv_connector_module_path"] = "impl.connector"

@@ -74,7 +74,8 @@ def premise_failures(config: SimConfig, conversations: Sequence[Conversation], d
 
 def pressure_seen(metrics: dict[str, Any]) -> bool:
     """A simulated point shows the memory pressure that would make screened hits inexact."""
-    return bool(metrics["dropped_under_pressure"] or metrics["preemptions"] or metrics["rejected"])
+    return bool(metrics["dropped_under_pressure"] or metrics["preemptions"] or metrics["rejected"]
+                or metrics.get("d_waits_behind_retained") or metrics.get("given_back"))
 
 
 class TurnTable:

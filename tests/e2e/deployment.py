@@ -255,11 +255,11 @@ NUM_KV_BLOCKS = 512
 
 
 def vllm_cmd(model_dir: Path, port: int, kv_transfer_config: dict[str, Any] | None,
-             max_model_len: int = 2048) -> list[str]:
+             max_model_len: int = 2048, num_kv_blocks: int = NUM_KV_BLOCKS) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len),
-           "--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(NUM_KV_BLOCKS),
+           "--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(num_kv_blocks),
            # usage.prompt_tokens_details.cached_tokens: P's local + pulled tokens, what the bench records
            "--enable-prompt-tokens-details"]
     if kv_transfer_config is not None:
@@ -294,6 +294,7 @@ class DeploymentSpec:
     prefill_env: dict[str, str] = field(default_factory=dict)
     prefill_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags for P only
     max_model_len: int = 2048
+    decode_kv_blocks: int = NUM_KV_BLOCKS  # D's KV pool (vLLM keeps one block back: the null block)
     decode_env: dict[str, str] = field(default_factory=dict)
     # CPU pinning (measurements only: the test suite leaves placement to the OS). On this 2-core machine
     # the latency recordings pin P to core 0 and D to core 1, so P's prefill and D's decode never share a core.
@@ -330,7 +331,7 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
     prefill = Process("prefill", p_port, vllm_cmd(model_dir, p_port, kv_transfer_config(
         "kv_producer", p_extra, recompute_on_failure=True), spec.max_model_len) + spec.prefill_args, server_env(p_side, {**spec.env, **spec.prefill_env}), log_dir / "prefill.log")
     decode = Process("decode", d_port, vllm_cmd(model_dir, d_port, kv_transfer_config(
-        "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
+        "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len, spec.decode_kv_blocks), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
     prefill.cpus, decode.cpus = spec.prefill_cpus, spec.decode_cpus
     reference = None
     if spec.reference:

@@ -77,7 +77,8 @@ def test_a_point_asked_for_twice_runs_once(monkeypatch):
 
 
 def test_vllm_defaults_twins_take_its_simulation():
-    """ttl=480 s thr=0 and thr=64 pull the same on every turn as vLLM's default: no simulation of their own."""
+    """ttl=480 s thr=0 and thr=64 pull the same on every turn as vLLM's default, pinned or giving back (D's
+    memory never binds here): no simulation of their own."""
     cfg = _config()
     convs = [Conversation("c", 0.0, (Turn(3000, 50), Turn(3200, 50, gap_before_s=10.0)))]
     screen, _ = screener(cfg, convs, PROFILE, cfg.topology.decode_kv_blocks)
@@ -94,7 +95,7 @@ def test_vllm_defaults_twins_take_its_simulation():
     by = {p.candidate.label: p for p in tuning.main.points}
     default = by[REFERENCES[1].label].metrics
     assert all(by[c.label].metrics == default and not by[c.label].screened for c in sweep)
-    assert tuning.narrowing.same_as_simulated == 2
+    assert len(sweep) == 4 and tuning.narrowing.same_as_simulated == 4
 
 
 def test_what_starts_before_screening_is_what_the_screen_cannot_spare():
@@ -102,8 +103,9 @@ def test_what_starts_before_screening_is_what_the_screen_cannot_spare():
     candidates = [*build_grid((0.0, 60.0), ("64",), (30.0,), (0.9,)), *REFERENCES]
     configs, overrides, _ = sweep_jobs(cfg, candidates)
     sure = surely_simulated(cfg, candidates, screening=True)
-    # the two fixed TTLs wait for the screen; the lease (once per client behaviour), the learnt TTL and
-    # the references start at once
-    assert [overrides[j].get("retention") for j in range(len(configs)) if j not in sure] == ["ttl", "ttl"]
+    # the two fixed TTLs (pinned and giving back) wait for the screen; the lease (once per client behaviour),
+    # the learnt TTL and the references start at once
+    assert [(overrides[j].get("retention"), overrides[j].get("retained_under_pressure"))
+            for j in range(len(configs)) if j not in sure] == [("ttl", "pinned"), ("ttl", "give_back")] * 2
     assert all(overrides[j] is not REFERENCES[1].policy or j in sure for j in range(len(configs)))
     assert surely_simulated(cfg, candidates, screening=False) == list(range(len(configs)))

@@ -174,7 +174,7 @@ def test_tied_gap_is_left_to_the_simulation():
     convs = [Conversation("c", 0.0, (Turn(1000, 50), Turn(1200, 50, gap_before_s=55.0)))]
     cfg = SimConfig().validate()
     screen, _ = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
-    ttl60 = build_grid((60.0, 61.0), ("64",), (), ())
+    ttl60 = build_grid((60.0, 61.0), ("64",), (), (), decode_modes=("pinned",))
     assert screen(ttl60[0]) is None  # 55 s gap + 5 s margin = 60 s: only the simulation's clock can tell
     assert screen(ttl60[1])["tokens_reused"] == 1049
 
@@ -183,7 +183,7 @@ def test_a_screened_candidate_with_a_twin_takes_its_simulation(monkeypatch):
     cfg = SimConfig().validate()
     convs = [Conversation("c", 0.0, (Turn(3000, 50), Turn(3200, 50, gap_before_s=10.0)))]
     screen, _ = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
-    a, b = build_grid((60.0,), ("0", "64"), (), ())
+    a, b = build_grid((60.0,), ("0", "64"), (), (), decode_modes=("pinned",))
     # 3049 verified tokens: thresholds 0 and 64 pull the same, so they are one simulation
     assert screen(a)["same_simulation_key"] == screen(b)["same_simulation_key"]
     calls = []
@@ -205,7 +205,7 @@ def test_cli_screen_flag_reports_what_it_screened_and_recommends_as_without(caps
     from impl.cli import main
 
     base = ["tune", "--json", "--executor", "serial", "--no-progress", "--conversations", "25", "--ttls", "0,60,480,900",
-            "--thresholds", "64,break_even", "--leases", "", "--gap-quantiles", ""]
+            "--thresholds", "64,break_even", "--leases", "", "--gap-quantiles", "", "--decode-modes", "pinned"]
     assert main(base) == 0
     full = json.loads(capsys.readouterr().out)
     assert main([*base, "--screen"]) == 0

