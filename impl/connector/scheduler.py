@@ -98,31 +98,25 @@ def _find_engine_inbox() -> queue.Queue | None:
     vLLM builds the scheduler (and so this connector) inside ``EngineCoreProc.__init__``, after it
     created ``self.input_queue``, where new requests and aborts arrive between steps.
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(40):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            inbox = getattr(owner, "input_queue", None) if owner is not None else None
-            if isinstance(inbox, queue.Queue):
-                return inbox
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+    owner = _calling_owner(lambda o: isinstance(getattr(o, "input_queue", None), queue.Queue), 40)
+    return None if owner is None else owner.input_queue
 
 
 def _find_vllm_scheduler() -> Any:
     """vLLM's Scheduler calling us (its ``_build_kv_connector_meta``), or None: the owner of the
     block pool and the waiting queue, which the connector API does not pass to a connector."""
+    return _calling_owner(lambda o: hasattr(o, "kv_cache_manager") and hasattr(o, "waiting"), 12)
+
+
+def _calling_owner(is_it: Callable[[Any], bool], depth: int) -> Any:
+    """The first ``self`` up the call stack (within ``depth`` frames) for which ``is_it`` holds."""
     frame = inspect.currentframe()
     try:
-        for _ in range(12):
+        for _ in range(depth):
             if frame is None:
                 return None
             owner = frame.f_locals.get("self")
-            if owner is not None and hasattr(owner, "kv_cache_manager") and hasattr(owner, "waiting"):
+            if owner is not None and is_it(owner):
                 return owner
             frame = frame.f_back
         return None

@@ -1,0 +1,120 @@
+"""Decode memory as it binds: vLLM's pinned retention at every TTL against bidikv's give-back, on one workload.
+
+Run: python benchmarks/decode_memory.py --trace path/to/conversation_trace.jsonl [--num-prefill 4 --num-decode 4]
+     [--decode-hbm-gb GB] [--ttls 30,60,120,240,480] [--give-back-ttls 120,480,3600] [--workers 2]
+
+For each configuration: TTFT p50/p90, TPOT p50, the turns' time waiting at D for blocks (in all, and the
+99th percentile of a waiting turn), how many waits retained blocks caused (they alone would have made room),
+preemptions (and how many happened while retained blocks held part of the pool), retained decode KV (GB*s,
+relative to vLLM's default of 480 s), and the share of the oracle's compute saving over bidirectional OFF
+(the oracle retains exactly until the next turn; it is simulated pinned in the same memory). Prints the
+command, the date, the machine's load before and after and each simulation's CPU seconds, so the table
+can be regenerated and compared. The Mooncake trace (Apache-2.0) is at
+https://github.com/kvcache-ai/Mooncake/blob/main/FAST25-release/traces/conversation_trace.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _one(args: tuple[str, dict, dict]) -> tuple[str, dict, float]:
+    label, base, policy = args
+    import dataclasses
+
+    from sim.config import SimConfig
+    from sim.records import fields_of
+    from sim.runner import run_config
+
+    cfg = SimConfig(workload=base["workload"], profile=base["profile"])
+    cfg.topology.num_prefill, cfg.topology.num_decode = base["num_prefill"], base["num_decode"]
+    cfg.topology.decode_kv_blocks = base["decode_kv_blocks"]
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, **policy)).validate()
+    started = time.process_time()
+    result = run_config(cfg)
+    s = result.summary
+    tpots = [(c - a - t) / (o - 1) for rej, c, a, t, o in fields_of(result.records, "rejected", "completion_s",
+                                                                        "arrival_s", "ttft_s", "output_tokens")
+             if not rej and o > 1]
+    figures = {"ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"],
+               "tpot_p50_ms": statistics.median(tpots) * 1e3 if tpots else math.nan,
+               "d_wait_total_s": s["d_wait"]["total_s"], "d_wait_p99_s": s["d_wait"]["p99_ms"] / 1e3 if s["d_wait"]["n"] else 0.0,
+               "waits_behind_retained": s["d_waits_behind_retained"], "preemptions": s["preemptions"],
+               "preemptions_behind_retained": s["preemptions_behind_retained"], "given_back": s["given_back"],
+               "retained_hbm_gb_s": s["retained_hbm_gb_s"], "tokens_recomputed": s["tokens_recomputed"],
+               "rejected": s["rejected"], "completed": s["completed"]}
+    return label, figures, time.process_time() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    ap.add_argument("--profile", default="qwen3-32b@p5en-tp8")
+    ap.add_argument("--num-prefill", type=int, default=4)
+    ap.add_argument("--num-decode", type=int, default=4)
+    ap.add_argument("--decode-hbm-gb", type=float, default=None,
+                    help="KV memory per decode instance (default: the profile's HBM budget)")
+    ap.add_argument("--ttls", default="30,60,120,240,480", help="pinned (vLLM) TTLs, seconds")
+    ap.add_argument("--give-back-ttls", default="120,480,3600", help="give_back TTLs, seconds")
+    ap.add_argument("--give-back-window-s", type=float, default=15.0)
+    ap.add_argument("--give-back-headroom", type=float, default=0.05)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+
+    from calibration.profile import LatencyProfile
+
+    profile = LatencyProfile.load(args.profile)
+    block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
+    blocks = int(args.decode_hbm_gb / block_gb) if args.decode_hbm_gb else profile.decode_blocks()
+    base = {"workload": {"kind": "mooncake", "path": str(Path(args.trace).resolve())}, "profile": args.profile,
+            "num_prefill": args.num_prefill, "num_decode": args.num_decode, "decode_kv_blocks": blocks}
+    jobs = [("OFF (one-way)", base, {"bidirectional": False}),
+            ("oracle (pinned)", base, {"retention": "oracle", "recompute_policy": "break_even"})]
+    for ttl in (float(x) for x in args.ttls.split(",") if x.strip()):
+        jobs.append((f"pinned ttl={ttl:g}s", base, {"decoder_kv_blocks_ttl": ttl}))
+    for ttl in (float(x) for x in args.give_back_ttls.split(",") if x.strip()):
+        jobs.append((f"give_back ttl={ttl:g}s", base, {
+            "decoder_kv_blocks_ttl": ttl, "retained_under_pressure": "give_back",
+            "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}))
+    print(f"command: python benchmarks/decode_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  machine: {platform.node()} {os.cpu_count()} cores  "
+          f"load before: {os.getloadavg()[0]:.2f}")
+    print(f"cluster: {args.num_prefill}P{args.num_decode}D, {args.profile}, {blocks:,} KV blocks "
+          f"({blocks * block_gb:,.0f} GB) per decode instance")
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        results = {label: (fig, cpu) for label, fig, cpu in pool.map(_one, jobs)}
+    off, oracle = results["OFF (one-way)"][0], results["oracle (pinned)"][0]
+    default_hbm = results.get("pinned ttl=480s", (None,))[0]
+    saving = off["tokens_recomputed"] - oracle["tokens_recomputed"]
+    head = (f"{'configuration':<24}{'TTFT p50':>9}{'p90':>9}{'TPOT p50':>9}{'D wait s':>10}{'p99 s':>7}"
+            f"{'behind':>8}{'preempt':>8}{'(ret.)':>7}{'given':>7}{'HBM vs480':>10}{'oracle%':>8}{'cpu s':>7}")
+    print(head)
+    for label, _, _ in jobs:
+        m, cpu = results[label]
+        share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
+        hbm = m["retained_hbm_gb_s"] / default_hbm["retained_hbm_gb_s"] if default_hbm and default_hbm["retained_hbm_gb_s"] else math.nan
+        print(f"{label:<24}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['tpot_p50_ms']:>9.1f}"
+              f"{m['d_wait_total_s']:>10,.0f}{m['d_wait_p99_s']:>7,.0f}{m['waits_behind_retained']:>8,}"
+              f"{m['preemptions']:>8,}{m['preemptions_behind_retained']:>7,}{m['given_back']:>7,}{hbm:>10.2f}"
+              f"{share:>8.1f}{cpu:>7.1f}")
+    print("(D wait s: turns' time waiting at D for blocks, summed; p99 s: of a turn that waited; behind: waits that "
+          "retained blocks alone would have made room for; preempt (ret.): preemptions, and those while retained "
+          "blocks held part of the pool; given: retained turns given back; oracle%: share of the oracle's compute "
+          "saving over OFF)")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
