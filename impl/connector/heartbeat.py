@@ -34,7 +34,7 @@ Protocol (version 1)::
     200 {"status": "held", "renewed": true|false, "retention": "lease"|"ttl"|"gap_quantile",
          "expiry_time": <D's clock, the basis of remote_blocks_expiry_time>,
          "expires_in_s": <seconds from D's answer>, "heartbeat_interval_s": <lease only>}
-    200 {"status": "not_held", "reason": "unknown"|"expired"|"other_engine"}
+    200 {"status": "not_held", "reason": "unknown"|"expired"|"other_engine"|"given_back"}
     400 {"error": "<field>: <problem>"}      503 {"status": "busy"}      404 other paths
 """
 
@@ -130,9 +130,12 @@ class HeartbeatListener:
     """Accepts heartbeats on a thread; :meth:`drain` applies them on the scheduler's thread."""
 
     def __init__(self, host: str, port: int, engine_id: str, is_held: Callable[[str], bool], *,
-                 advertised_host: str | None = None, answer_timeout_s: float = 2.0, max_pending: int = 64) -> None:
+                 advertised_host: str | None = None, answer_timeout_s: float = 2.0, max_pending: int = 64,
+                 was_given_back: Callable[[str], bool] | None = None) -> None:
         self.engine_id = engine_id
         self._is_held = is_held
+        # give_back: a request D freed under pressure, answered as such at once (also a GIL-atomic lookup)
+        self._was_given_back = was_given_back
         self.answer_timeout_s = answer_timeout_s
         self._slots = threading.BoundedSemaphore(max_pending)
         self._queue: queue.SimpleQueue[PendingRenewal] = queue.SimpleQueue()
@@ -157,7 +160,8 @@ class HeartbeatListener:
             return 200, {"status": "not_held", "reason": "other_engine"}
         if not self._is_held(request_id):
             self.stats["answered_not_held"] += 1
-            return 200, {"status": "not_held", "reason": "unknown"}
+            given_back = self._was_given_back is not None and self._was_given_back(request_id)
+            return 200, {"status": "not_held", "reason": "given_back" if given_back else "unknown"}
         if not self._slots.acquire(blocking=False):
             self.stats["busy"] += 1
             return 503, {"status": "busy"}

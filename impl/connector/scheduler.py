@@ -165,6 +165,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self.idle_sleeps = 0
         self._engine_inbox = _find_engine_inbox()
         self._warned_host_buffer = False
+        # retained requests D gave back and freed, remembered (bounded) so a late renewal is told why
+        self._given_back: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.heartbeats = self._start_heartbeat_listener(vllm_config, engine_id)
         give_back = settings.make_give_back()
         self.give_back = GiveBackLedger(give_back) if give_back is not None else None
@@ -173,8 +175,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             raise ConfigError("bidikv_retained_under_pressure", "'give_back' needs bidikv_heartbeat_port: the router "
                               "renews each retained turn through D's heartbeat listener before P reads it")
         self._vllm_scheduler: Any = None  # found at the first step
-        # retained requests D gave back and freed, remembered (bounded) so a late renewal is told why
-        self._given_back: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.give_back_stats = collections.Counter()  # given_back, given_back_blocks, waits_seen
         # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
@@ -376,7 +376,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         try:
             # the scheduler's dict, read from the listener's threads: one membership test, atomic under the GIL
             listener = HeartbeatListener(self.settings.heartbeat_host, port, engine_id, self._retained.__contains__,
-                                         advertised_host=getattr(self, "side_channel_host", None))
+                                         advertised_host=getattr(self, "side_channel_host", None),
+                                         was_given_back=self._given_back.__contains__)
         except (OSError, OverflowError) as e:
             raise ConfigError("bidikv_heartbeat_port", f"cannot listen on {self.settings.heartbeat_host}:{port} "
                                                        f"({e})") from None

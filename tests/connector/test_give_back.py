@@ -130,6 +130,11 @@ def test_give_back_under_pressure_shortens_deadlines_to_the_last_published_expir
         so = scheduler.schedule()
         assert waiting.request_id in so.num_scheduled_tokens or waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert held[0].request_id not in cs.give_back
+        # and once freed, a late renewal is still told why (the router's miss says given_back), also by the
+        # listener's own answer for requests D does not hold (it never waits for the scheduler thread then)
+        assert cs._answer_heartbeat(held[0].request_id) == {"status": "not_held", "reason": "given_back"}
+        raw = ('{"request_id": "%s", "engine_id": "%s"}' % (held[0].request_id, cs.engine_id)).encode()
+        assert cs.heartbeats.handle(raw) == (200, {"status": "not_held", "reason": "given_back"})
     finally:
         cs.shutdown()
 

@@ -221,3 +221,13 @@ def test_parquet_without_pyarrow_or_out_fails_before_simulating(tmp_path, monkey
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow imports
     assert main(["simulate", "--conversations", "3", "--out", str(tmp_path / "o"), "--parquet"]) == 2
     assert "--parquet needs pyarrow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--give-back-headroom", "1.5"], "give_back_headroom must be in [0, 1), got 1.5"),
+    (["--give-back-publish-window-s", "3"], "give_back_publish_window_s must exceed the expiry margin"),
+    (["--retained-under-pressure", "free"], "invalid choice: 'free'"),
+])
+def test_bad_decode_memory_settings_are_refused_naming_the_flag(flags, says):
+    result = run_cli("simulate", "--conversations", "2", *flags)
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
