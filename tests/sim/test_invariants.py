@@ -304,3 +304,20 @@ def test_give_back_shortens_the_waits_pinned_retention_causes_and_keeps_more_reu
     # what it gave back lapsed at its published expiry, so conversations that came back sooner still pulled
     assert s["reuse_hit_rate"] > dropping.summary["reuse_hit_rate"]
     assert cluster.decode[0].totals.peak_used_blocks <= 400 and cluster.decode[0].totals.dropped_under_pressure == 0
+
+
+def test_a_p_that_declines_and_tells_d_frees_the_blocks_a_pinned_d_would_hold_to_the_ttl():
+    # every pull declined (threshold above any prompt): pinned D holds each retained turn to its TTL,
+    # unless P says it will not read it
+    def tight(decline_frees_d: bool) -> SimConfig:
+        cfg = _tight_decode("pinned", 120.0)
+        cfg.policy.kv_recompute_threshold = 10**6
+        cfg.policy.decline_frees_d = decline_frees_d
+        return cfg.validate()
+
+    _, holding = run(tight(False), _TIGHT)
+    cluster, telling = run(tight(True), _TIGHT)
+    assert holding.summary["declined_freed"] == 0 and telling.summary["declined_freed"] > 0
+    assert all(r.reused_tokens == 0 for r in telling.records if r.turn == 1)  # declined: recomputed, never read
+    assert telling.summary["d_wait"]["total_s"] < holding.summary["d_wait"]["total_s"]
+    assert cluster.decode[0].totals.peak_used_blocks <= 400
