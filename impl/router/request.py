@@ -113,8 +113,13 @@ _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite
 def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     if _too_deep(raw, max_depth):
         raise RequestError("body", f"JSON nested deeper than {max_depth} levels")
+    # JSON between systems is UTF-8 (RFC 8259 section 8.1), as the OpenAI API takes it. json.loads would
+    # also take UTF-16 and UTF-32, which the byte-level checks (kv_transfer_params at any depth) cannot see
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise RequestError("body", f"must be UTF-8 JSON (RFC 8259), got {encoding}")
     try:
-        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))  # as json.loads does
+        body = _DECODER.decode(raw.decode(encoding, "surrogatepass"))
     except UnicodeDecodeError:
         raise RequestError("body", "must be UTF-8 JSON") from None
     except RecursionError:
