@@ -175,7 +175,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             raise ConfigError("bidikv_retained_under_pressure", "'give_back' needs bidikv_heartbeat_port: the router "
                               "renews each retained turn through D's heartbeat listener before P reads it")
         self._vllm_scheduler: Any = None  # found at the first step
-        self.give_back_stats = collections.Counter()  # given_back, given_back_blocks, waits_seen
         # token-exact reuse: what this node publishes of what it holds, and how it checks a peer's
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
         self._reports: dict[str, ReuseReport] = {}  # request -> its read's report, counted when it finishes
@@ -445,8 +444,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         now = self._clock()
         for req_id in ledger.withhold_for(short, now):
             self._reqs_need_send[req_id] = ledger.free_at(req_id)  # never before what P was given
-            self.give_back_stats["given_back"] += 1
-            self.give_back_stats["given_back_blocks"] += ledger.pool.blocks_of(req_id)
+            self._stats.record_give_back(ledger.pool.blocks_of(req_id))
             log.info("bidikv give-back: %s lapses (frees at its last published expiry, in %.1f s)", req_id,
                      max(0.0, ledger.free_at(req_id) - now))
 
@@ -500,7 +498,9 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         for req_id in connector_output.finished_sending or ():
             held = self._retained.pop(req_id, None)
             if self.give_back is not None:
-                if self.give_back.is_lapsing(req_id):
+                withheld_at = self.give_back.withheld_at(req_id)
+                if withheld_at is not None:
+                    self._stats.record_given_back_freed(max(0.0, now - withheld_at))
                     self._given_back[req_id] = None
                     if len(self._given_back) > _GIVEN_BACK_MEMORY:
                         self._given_back.popitem(last=False)

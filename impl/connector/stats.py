@@ -10,6 +10,11 @@ Exported as ``vllm:bidikv_prefix_tokens_total{path="d_to_p"|"p_to_d", outcome=..
 ``offered``, ``verified``, ``pulled`` and ``refused_<reason>`` (``partial``, ``no_check``,
 ``scheme``, ``malformed``; ``unverified`` counts tokens pulled from a peer that published nothing,
 where the operator allowed it).
+
+D's give-back (``bidikv_retained_under_pressure: "give_back"``): ``vllm:bidikv_given_back_total`` (retained
+turns D stopped renewing under memory pressure), ``vllm:bidikv_given_back_blocks_total`` (their blocks),
+``vllm:bidikv_given_back_freed_total`` and ``vllm:bidikv_give_back_seconds_total`` (how many were freed,
+and the seconds from withholding to free summed over them: their ratio is the mean time to give back).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from impl.policy.prefix_check import VerifyReason
 PATHS = ("d_to_p", "p_to_d")
 OUTCOMES = ("offered", "verified", "pulled") + tuple(
     f"refused_{r.value}" for r in VerifyReason if r is not VerifyReason.FULL) + ("refused_unverified",)
-KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES)
+GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds")
+KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + GIVE_BACK_KEYS
 
 
 class BidikvKVConnectorStats(NixlKVConnectorStats):
@@ -43,6 +49,14 @@ class BidikvKVConnectorStats(NixlKVConnectorStats):
         if report.offered > report.verified and prefix + f"refused_{report.reason}" in self.data:
             self.data[prefix + f"refused_{report.reason}"].append(report.offered - report.verified)
 
+    def record_give_back(self, blocks: int) -> None:
+        self.data["bidikv_given_back"].append(1)
+        self.data["bidikv_given_back_blocks"].append(blocks)
+
+    def record_given_back_freed(self, seconds: float) -> None:
+        self.data["bidikv_given_back_freed"].append(1)
+        self.data["bidikv_give_back_seconds"].append(seconds)
+
     def aggregate(self, other: Any) -> "BidikvKVConnectorStats":
         # a plain NIXL stats object (another connector's worker) lacks our keys: add what is there
         if not other.is_empty():
@@ -60,6 +74,9 @@ class BidikvKVConnectorStats(NixlKVConnectorStats):
             if offered:
                 out[f"Prefix {path} offered/verified/pulled tokens"] = (
                     f"{offered}/{sum(self.data[f'bidikv_{path}_verified'])}/{sum(self.data[f'bidikv_{path}_pulled'])}")
+        given = sum(self.data.get("bidikv_given_back", ()))
+        if given:
+            out["Retained turns given back (blocks)"] = f"{given} ({sum(self.data['bidikv_given_back_blocks'])})"
         return out
 
 
@@ -75,6 +92,16 @@ class BidikvPromMetrics(NixlPromMetrics):
         self.bidikv_prefix_tokens = {
             (idx, path, outcome): counter.labels(*values, path, outcome)
             for idx, values in per_engine_labelvalues.items() for path in PATHS for outcome in OUTCOMES}
+        helps = {"bidikv_given_back": "Retained turns D stopped renewing under memory pressure (give_back).",
+                 "bidikv_given_back_blocks": "KV blocks of the retained turns D gave back under memory pressure.",
+                 "bidikv_given_back_freed": "Given-back turns D freed (at their last published expiry).",
+                 "bidikv_give_back_seconds": "Seconds from withholding a retained turn's renewal to freeing it, "
+                                             "summed over the turns freed."}
+        self.bidikv_give_back = {}
+        for key, help_text in helps.items():
+            c = self._counter_cls(name=f"vllm:{key}", documentation=help_text, labelnames=list(labelnames))
+            for idx, values in per_engine_labelvalues.items():
+                self.bidikv_give_back[(idx, key)] = c.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -83,3 +110,7 @@ class BidikvPromMetrics(NixlPromMetrics):
                 total = sum(transfer_stats_data.get(f"bidikv_{path}_{outcome}", ()))
                 if total:
                     self.bidikv_prefix_tokens[(engine_idx, path, outcome)].inc(total)
+        for key in GIVE_BACK_KEYS:
+            total = sum(transfer_stats_data.get(key, ()))
+            if total:
+                self.bidikv_give_back[(engine_idx, key)].inc(total)

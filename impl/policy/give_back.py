@@ -180,6 +180,11 @@ class GiveBackLedger:
             self.lapsing_blocks += self.pool.blocks_of(key)
         return keys
 
+    def withheld_at(self, key: Hashable) -> float | None:
+        """When the entry's renewals stopped (None: still renewed, or unknown)."""
+        entry = self._entries.get(key)
+        return entry.withheld_at if entry is not None and entry.lapsing else None
+
     def is_lapsing(self, key: Hashable) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.lapsing

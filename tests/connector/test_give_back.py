@@ -14,6 +14,7 @@ import vllm  # noqa: F401  (a missing vLLM is a failure, not a skip)
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from impl.connector.config import ConfigError  # noqa: E402
+from impl.connector.stats import GIVE_BACK_KEYS
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
 from tests.connector.harness import (
     FakeClock,
@@ -83,6 +84,17 @@ def test_d_publishes_a_short_expiry_asks_to_be_renewed_and_the_router_keeps_the_
         cs.shutdown()
 
 
+def _bidikv_counts(outputs) -> dict[str, float]:
+    """The connector's bidikv_* counts in vLLM's scheduler stats of one update_from_output, summed."""
+    counts: dict[str, float] = {}
+    for out in outputs.values():
+        stats = out.scheduler_stats.kv_connector_stats if out.scheduler_stats else None
+        for key, values in (stats or {}).items():
+            if key.startswith("bidikv_"):
+                counts[key] = counts.get(key, 0) + sum(values)
+    return counts
+
+
 def _fill_then_wait(model_dir, mode: str):
     scheduler, cs = decode(model_dir, mode)
     held = [finish(scheduler, seed)[0] for seed in range(10, 14)]  # 4 x 3 blocks: the pool is full
@@ -121,15 +133,23 @@ def test_give_back_under_pressure_shortens_deadlines_to_the_last_published_expir
         assert deadlines[held[0].request_id] == pytest.approx(1020.0)
         # the rest keep the TTL (the newest's first deadline goes out with this step, as vLLM sends it)
         assert all(deadlines.get(r.request_id, 1000.0 + TTL_S) == pytest.approx(1000.0 + TTL_S) for r in held[1:])
-        assert cs.give_back.is_lapsing(held[0].request_id) and cs.give_back_stats["given_back"] == 1
+        assert cs.give_back.is_lapsing(held[0].request_id)
         # a lapsing entry is not renewed any more: the router learns it may read only until what it has
         answer = cs._answer_heartbeat(held[0].request_id)
         assert answer == {"status": "not_held", "reason": "given_back"}
         # the worker frees it at that deadline (it reports finished_sending); the waiting request then runs
-        scheduler.update_from_output(so, empty_output(FakeNixlTransfers().peer_read(held[0].request_id).output()))
+        counts = _bidikv_counts(scheduler.update_from_output(
+            so, empty_output(FakeNixlTransfers().peer_read(held[0].request_id).output())))
         so = scheduler.schedule()
         assert waiting.request_id in so.num_scheduled_tokens or waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert held[0].request_id not in cs.give_back
+        # what vLLM's /metrics export (impl/connector/stats.py), from vLLM's own per-step scheduler stats: one
+        # turn of 3 blocks given back, freed at once (the fake clock did not move)
+        for key, value in _bidikv_counts(scheduler.update_from_output(so, empty_output())).items():
+            counts[key] = counts.get(key, 0) + value
+        assert {k: counts.get(k) for k in GIVE_BACK_KEYS} == {
+            "bidikv_given_back": 1, "bidikv_given_back_blocks": 3, "bidikv_given_back_freed": 1,
+            "bidikv_give_back_seconds": 0.0}
         # and once freed, a late renewal is still told why (the router's miss says given_back), also by the
         # listener's own answer for requests D does not hold (it never waits for the scheduler thread then)
         assert cs._answer_heartbeat(held[0].request_id) == {"status": "not_held", "reason": "given_back"}

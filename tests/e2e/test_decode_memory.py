@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.client import chat
 from tests.e2e.conftest import E2E, counters_at, unique_system
-from tests.e2e.deployment import BLOCK_SIZE, DeploymentSpec, free_port, pull_counters, start_deployment
+from tests.e2e.deployment import DeploymentSpec, Metrics, free_port, pull_counters, start_deployment
 from tests.e2e.test_bidirectional import reference_text, user
 
 TTL_S = 45.0  # longer than the pinned wait this measures, shorter than a CI step
@@ -94,6 +94,9 @@ def _run(e2e: E2E, tokenizer, mode: str) -> dict:
         new = turn(_prompt(tokenizer, "new", NEW_TOKENS), f"new-{uuid.uuid4().hex}")
         out["new_ttft_s"] = new.ttft_s
         out["d_released_early"] = pull_counters(d_url)["expired"] - before  # by the worker, before any TTL
+        d_metrics = Metrics.scrape(d_url)  # D's own /metrics (impl/connector/stats.py)
+        out["d_given_back"] = d_metrics.value("vllm:bidikv_given_back_total")
+        out["d_given_back_freed"] = d_metrics.value("vllm:bidikv_given_back_freed_total")
         # the filling conversations continue; only the one D still holds can be pulled (kept first: given's
         # recomputed prompt would need D's blocks, and pressure would then name kept)
         for tag in ("kept", "given"):
@@ -115,6 +118,7 @@ def test_pinned_retention_makes_a_new_conversation_wait_behind_retained_turns(e2
     # it waited until a retained turn's TTL freed enough: the first filling turn finished < 20 s before the
     # new one came, so the wait is at least TTL - 20 s (turn latencies here are seconds)
     assert got["new_ttft_s"] is not None and got["new_ttft_s"] > TTL_S - 20.0, got
+    assert got["d_given_back"] == 0, got
     assert got["texts_equal"], got
 
 
@@ -123,6 +127,7 @@ def test_give_back_frees_idle_retained_turns_for_new_work_and_keeps_reuse_for_th
     print(f"\ngive_back: {got}")
     assert got["new_ttft_s"] is not None and got["new_ttft_s"] < 10.0, got
     assert got["d_released_early"] >= 1, got  # the worker freed given-back turns at their deadline, before the TTL
+    assert got["d_given_back"] >= 1 and got["d_given_back_freed"] >= 1, got  # and D's /metrics say so
     assert got["given"]["given_back_header"] == "1" and got["given"]["pulled_tokens"] == 0, got
     assert got["kept"]["pulled_tokens"] > 0 and got["kept"]["given_back_header"] is None, got
     assert got["texts_equal"], got
