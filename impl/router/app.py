@@ -49,7 +49,8 @@ import aiohttp
 from aiohttp import web
 
 from impl.router.config import RouterConfig, url_host
-from impl.router.connections import BodyTimeout, ClientConnections, GuardedTCPSite, raise_fd_limit
+from impl.router.connections import (BodyBudgetFull, BodyTimeout, ByteBudget, ClientConnections, GuardedTCPSite,
+                                     raise_fd_limit)
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
@@ -60,6 +61,9 @@ from impl.router.stores import MemoryStore, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
+
+# notification bodies being read at once, before their token is checked: 16 at the endpoint's limit
+NOTIFY_BYTES_IN_FLIGHT = 16 * MAX_NOTIFY_BODY_BYTES
 
 log = logging.getLogger("bidikv.router")
 
@@ -89,6 +93,8 @@ class Router:
         # what clients see in X-Bidikv-Prefill/-Decode instead of internal URLs (unless expose_upstream_urls)
         self.public_names = {url: f"{role}-{i}" for role, urls in (("prefill", config.prefill), ("decode", config.decode))
                              for i, url in enumerate(urls)}
+        # notification bodies being read at once (before their token is checked): 16 at the endpoint's limit
+        self.notify_bytes = ByteBudget(NOTIFY_BYTES_IN_FLIGHT)
         self.connections = ClientConnections(config.client_header_timeout_s, config.client_body_timeout_s,
                                              config.client_idle_timeout_s, config.max_client_connections,
                                              on_close=self.metrics.client_closed.inc,
@@ -290,12 +296,18 @@ class Router:
         if request.content_length is not None and request.content_length > MAX_NOTIFY_BODY_BYTES:
             return self._notify_result("too_large", error_response(413, "notification too large", "invalid_request_error", "body"))
         try:
-            raw = await self.connections.read_body(request)
-            if len(raw) > MAX_NOTIFY_BODY_BYTES:
-                raise web.HTTPRequestEntityTooLarge(max_size=MAX_NOTIFY_BODY_BYTES, actual_size=len(raw))
+            # unauthenticated until its token is read: the endpoint's own limit while reading, and a cap on
+            # the bytes all notifications being read may hold at once
+            raw = await self.connections.read_body(request, MAX_NOTIFY_BODY_BYTES, self.notify_bytes)
             turn, token, notification = parse_notification(parse_json_body(raw))
         except web.HTTPRequestEntityTooLarge:
-            return self._notify_result("too_large", error_response(413, "notification too large", "invalid_request_error", "body"))
+            response = error_response(413, "notification too large", "invalid_request_error", "body")
+            response.force_close()  # the rest of the body is not read
+            return self._notify_result("too_large", response)
+        except BodyBudgetFull:
+            response = error_response(503, "too many notification bytes in flight; retry", "service_unavailable")
+            response.force_close()
+            return self._notify_result("busy", response)
         except BodyTimeout:
             return self._notify_result("body_timeout", self.connections.body_timeout_response())
         except (RequestError, NotifyError) as e:

@@ -202,15 +202,41 @@ class ClientConnections:
             conn.phase = IDLE
             conn.since = self.loop.time()
 
-    async def read_body(self, request: web.Request) -> bytes:
-        """The request's whole body, or :class:`BodyTimeout` after ``client_body_timeout_s``."""
-        if request.content.is_eof():  # nearly always: the body came with the head
-            return await request.read()
+    async def read_body(self, request: web.Request, limit: int | None = None,
+                        budget: "ByteBudget | None" = None) -> bytes:
+        """The request's whole body, or :class:`BodyTimeout` after ``client_body_timeout_s``.
+
+        ``limit``: refuse (413, connection closed) as soon as more than this many bytes arrived, whatever
+        the Content-Length said or a chunked body claims, instead of buffering up to the general limit
+        first. ``budget``: the bytes held by every body of this kind being read at once, capped (503 when
+        full): for an endpoint that reads before it can authenticate."""
+        if limit is None and budget is None:
+            if request.content.is_eof():  # nearly always: the body came with the head
+                return await request.read()
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    return await request.read()
+            except TimeoutError:
+                raise BodyTimeout() from None
+        parts: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                return await request.read()
+                while True:
+                    chunk = await request.content.readany()
+                    if not chunk:
+                        return b"".join(parts)
+                    size += len(chunk)
+                    if limit is not None and size > limit:
+                        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+                    if budget is not None and not budget.take(len(chunk)):
+                        raise BodyBudgetFull()
+                    parts.append(chunk)
         except TimeoutError:
             raise BodyTimeout() from None
+        finally:
+            if budget is not None:
+                budget.give(sum(len(p) for p in parts))
 
     def body_timeout_response(self) -> web.Response:
         self.count("body_timeout")
@@ -219,6 +245,29 @@ class ClientConnections:
         response = web.Response(status=408, body=body, headers={"Content-Type": "application/json"})
         response.force_close()
         return response
+
+
+class BodyBudgetFull(Exception):
+    """Every byte a :class:`ByteBudget` allows is held by bodies being read."""
+
+
+class ByteBudget:
+    """Bytes held at once by the bodies of one endpoint, capped (single event loop: no lock needed)."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.held = 0
+        self.refused = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.cap_bytes:
+            self.refused += 1
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
 
 
 class GuardedTCPSite(web.TCPSite):
