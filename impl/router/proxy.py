@@ -319,7 +319,7 @@ class TurnProxy:
                     self._remember_affinity(key, upstream.name, turn.estimated_tokens)
                 return PrefillResult(upstream, kv, _cached_tokens(obj), report if reuse else None)
             if 400 <= status < 500 and status != 408:
-                raise _PassThrough(_passthrough_error(status, raw))
+                raise _PassThrough(_passthrough_error(status, raw, params))
             self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
             last_failure = UpstreamFailure(502, f"prefill failed with HTTP {status}")
             if reuse:
@@ -406,7 +406,7 @@ class TurnProxy:
             finally:
                 resp.release()
             if 400 <= resp.status < 500 and resp.status != 408:
-                raise _PassThrough(_passthrough_error(resp.status, raw))
+                raise _PassThrough(_passthrough_error(resp.status, raw, _sent_params(payload)))
             self.metrics.upstream_errors.inc(upstream.name, "decode", f"http_{resp.status}")
             last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
 
@@ -543,14 +543,61 @@ class _PassThrough(Exception):
         self.response = response
 
 
-def _passthrough_error(status: int, raw: bytes) -> web.Response:
+def _passthrough_error(status: int, raw: bytes, sent: Any = None) -> web.Response:
+    """P's or D's 4xx for the client: as it came, unless it quotes any of the turn's secrets (the KV
+    locations and the notification URL and token the router sent that upstream: stripping by key cannot
+    see them inside a message string); then only its error type, with a message of ours."""
     try:
         obj = json.loads(raw)
     except ValueError:
         obj = None
-    if isinstance(obj, dict) and len(raw) <= 64 * 1024:
+    if isinstance(obj, dict) and len(raw) <= 64 * 1024 and not _quotes_secrets(raw, sent):
         return web.Response(status=status, body=raw, headers=_JSON_HEADERS)
-    return error_response(status, f"upstream rejected the request (HTTP {status})", "invalid_request_error")
+    kind = "invalid_request_error"
+    error = obj.get("error") if isinstance(obj, dict) else None
+    named = (error.get("type") if isinstance(error, dict) else obj.get("type")) if isinstance(obj, dict) else None
+    if isinstance(named, str) and named.isidentifier() and len(named) <= 64:
+        kind = named
+    return error_response(status, f"upstream rejected the request (HTTP {status})", kind)
+
+
+def _sent_params(payload: bytes) -> Any:
+    """The kv_transfer_params of a body the router sent (parsed only on an upstream's error)."""
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return None
+    return body.get("kv_transfer_params") if isinstance(body, dict) else None
+
+
+_MIN_SECRET_CHARS = 6  # shorter strings (true, null, a small port) would match ordinary text
+
+
+def _quotes_secrets(raw: bytes, sent: Any) -> bool:
+    """Whether ``raw`` contains a string value of ``sent`` (at any depth), a host:port pair of it, or a
+    list of its block ids as JSON or Python writes it."""
+    if not isinstance(sent, dict) or not sent:
+        return False
+    text = raw.decode("utf-8", "replace")
+    needles: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            if value and all(isinstance(v, int) for v in value):
+                needles.extend((json.dumps(value), json.dumps(value, separators=(",", ":"))))
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and len(value) >= _MIN_SECRET_CHARS:
+            needles.append(value)
+
+    walk(sent)
+    host, port = sent.get("remote_host"), sent.get("remote_port")
+    if isinstance(host, str) and host and port is not None:
+        needles.append(f"{host}:{port}")
+    return any(n in text for n in needles)
 
 
 def _cached_tokens(body: dict[str, Any]) -> int | None:

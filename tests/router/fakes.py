@@ -149,6 +149,10 @@ class FakeVllmUpstream:
         if self.fault == "http_4xx_body":
             status, raw = self.inject
             return web.Response(status=status, body=raw, headers={"Content-Type": "application/json"})
+        if self.fault == "http_400_echo":  # vLLM-style error quoting what it was sent (KV locations, notify token)
+            quoted = json.dumps(body.get("kv_transfer_params"))
+            return web.json_response({"object": "error", "message": f"invalid kv_transfer_params {quoted}",
+                                      "type": "BadRequestError", "param": None, "code": 400}, status=400)
         if self.fault == "http_400":
             return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}}, status=400)
         if self.fault == "slow":
