@@ -34,7 +34,6 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict, float]:
     import dataclasses
 
     from sim.config import SimConfig
-    from sim.records import fields_of
     from sim.runner import run_config
 
     cfg = SimConfig(workload=base["workload"], profile=base["profile"])
@@ -44,9 +43,7 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict, float]:
     started = time.process_time()
     result = run_config(cfg)
     s = result.summary
-    tpots = [(c - a - t) / (o - 1) for rej, c, a, t, o in fields_of(result.records, "rejected", "completion_s",
-                                                                        "arrival_s", "ttft_s", "output_tokens")
-             if not rej and o > 1]
+    tpots = [r.tpot_s for r in result.records if not r.rejected and r.output_tokens > 1]
     figures = {"ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"],
                "tpot_p50_ms": statistics.median(tpots) * 1e3 if tpots else math.nan,
                "d_wait_total_s": s["d_wait"]["total_s"], "d_wait_p99_s": s["d_wait"]["p99_ms"] / 1e3 if s["d_wait"]["n"] else 0.0,

@@ -71,6 +71,7 @@ from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_bl
 from impl.connector.stats import BidikvKVConnectorStats
 from impl.policy import GiveBackLedger, PullCandidate, RecomputeDecision, TransferPath
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
+from impl.policy.store import usable_until
 from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
 
 if TYPE_CHECKING:
@@ -417,7 +418,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         published = ledger.renew(request_id, now)
         if published is None:
             last = ledger.published(request_id)
-            if last is None or now >= last - ledger.rules.expiry_margin_s:
+            if last is None or now >= usable_until(last, ledger.rules.expiry_margin_s):
                 # given back: freed at its last published expiry, which P may no longer read before
                 return {"status": "not_held", "reason": "given_back"}
             # lapsing: P may still read it before the expiry it was given, and no later
@@ -443,10 +444,10 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             return
         now = self._clock()
         for req_id in ledger.withhold_for(short, now):
-            self._reqs_need_send[req_id] = ledger.free_at(req_id)  # never before what P was given
+            self._reqs_need_send[req_id] = free_at = ledger.free_at(req_id)  # never before what P was given
             self._stats.record_give_back(ledger.pool.blocks_of(req_id))
             log.info("bidikv give-back: %s lapses (frees at its last published expiry, in %.1f s)", req_id,
-                     max(0.0, ledger.free_at(req_id) - now))
+                     max(0.0, free_at - now))
 
     def _notify(self, request: "Request", request_params: dict[str, Any] | None, out: dict[str, Any] | None,
                 expires_in_s: float | None) -> None:
@@ -473,11 +474,11 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             return None
         finished_at, expiry = held
         now = self._clock() if now is None else now
+        if self.give_back is not None and self.give_back.is_lapsing(request_id):
+            return expiry  # given back: a lapsing entry stays lapsing, its deadline stays
         renewed = self.retention_policy.renew(expiry, finished_at, now)
         if renewed != expiry:
             self._retained[request_id] = (finished_at, renewed)
-            if self.give_back is not None and self.give_back.is_lapsing(request_id):
-                return expiry  # given back: a lapsing entry stays lapsing, its deadline stays
             self._reqs_need_send[request_id] = renewed
             if self.give_back is not None:
                 self.give_back.extend(request_id, renewed)

@@ -128,12 +128,13 @@ class GiveBackLedger:
     renewed lives to its intended expiry (D never publishes beyond it).
     """
 
-    __slots__ = ("rules", "_entries", "pool", "lapsing_blocks")
+    __slots__ = ("rules", "_entries", "pool", "_lapsing", "lapsing_blocks")
 
     def __init__(self, rules: GiveBack) -> None:
         self.rules = rules
         self._entries: dict[Hashable, _Entry] = {}
         self.pool = RetainedPool()  # every held entry by intended expiry: the pressure order
+        self._lapsing: set[Hashable] = set()  # kept as entries lapse and leave: a step's check reads it
         self.lapsing_blocks = 0
 
     def __contains__(self, key: Hashable) -> bool:
@@ -173,10 +174,10 @@ class GiveBackLedger:
     def withhold_for(self, shortfall_blocks: int, now: float) -> list[Hashable]:
         """Stop renewing the entries :func:`releases` names for ``shortfall_blocks``: they lapse at their
         last published expiry. Returns them."""
-        lapsing = {k for k, e in self._entries.items() if e.lapsing}
-        keys = releases(self.pool, shortfall_blocks, lapsing)
+        keys = releases(self.pool, shortfall_blocks, self._lapsing)
         for key in keys:
             self._entries[key].withheld_at = now
+            self._lapsing.add(key)
             self.lapsing_blocks += self.pool.blocks_of(key)
         return keys
 
@@ -210,4 +211,5 @@ class GiveBackLedger:
             return
         blocks = self.pool.discard(key)
         if entry.lapsing:
+            self._lapsing.discard(key)
             self.lapsing_blocks -= blocks

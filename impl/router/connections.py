@@ -210,33 +210,14 @@ class ClientConnections:
         the Content-Length said or a chunked body claims, instead of buffering up to the general limit
         first. ``budget``: the bytes held by every body of this kind being read at once, capped (503 when
         full): for an endpoint that reads before it can authenticate."""
-        if limit is None and budget is None:
-            if request.content.is_eof():  # nearly always: the body came with the head
-                return await request.read()
-            try:
-                async with asyncio.timeout(self.body_timeout_s):
-                    return await request.read()
-            except TimeoutError:
-                raise BodyTimeout() from None
-        parts: list[bytes] = []
-        size = 0
+        plain = limit is None and budget is None
+        if plain and request.content.is_eof():  # nearly always: the body came with the head
+            return await request.read()
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    chunk = await request.content.readany()
-                    if not chunk:
-                        return b"".join(parts)
-                    size += len(chunk)
-                    if limit is not None and size > limit:
-                        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-                    if budget is not None and not budget.take(len(chunk)):
-                        raise BodyBudgetFull()
-                    parts.append(chunk)
+                return await (request.read() if plain else _read_capped(request, limit, budget))
         except TimeoutError:
             raise BodyTimeout() from None
-        finally:
-            if budget is not None:
-                budget.give(sum(len(p) for p in parts))
 
     def body_timeout_response(self) -> web.Response:
         self.count("body_timeout")
@@ -245,6 +226,27 @@ class ClientConnections:
         response = web.Response(status=408, body=body, headers={"Content-Type": "application/json"})
         response.force_close()
         return response
+
+
+async def _read_capped(request: web.Request, limit: int | None, budget: "ByteBudget | None") -> bytes:
+    """The body chunk by chunk, refused as soon as it passes ``limit`` or ``budget`` is full; what it held
+    of the budget is given back however it ends."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            chunk = await request.content.readany()
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            if budget is not None and not budget.take(len(chunk)):
+                raise BodyBudgetFull()
+            parts.append(chunk)
+    finally:
+        if budget is not None:
+            budget.give(sum(len(p) for p in parts))
 
 
 class BodyBudgetFull(Exception):

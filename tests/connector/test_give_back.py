@@ -5,8 +5,6 @@ behaviour, keeps the whole TTL and the waiting request waits."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 import vllm  # noqa: F401  (a missing vLLM is a failure, not a skip)
@@ -27,17 +25,12 @@ from tests.connector.harness import (
     make_vllm_config,
     tokens,
 )
+from tests.connector.test_heartbeat import free_port
 from tests.connector.test_scheduler import NOTIFY, run
 
 TTL_S = 300.0
 WINDOW_S = 15.0
 POOL_BLOCKS = 13  # 12 usable (vLLM keeps a null block): four retained turns of 3 blocks fill it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decode(model_dir, mode: str, **extra):
