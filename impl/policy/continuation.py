@@ -24,17 +24,38 @@ class PromptView(Protocol):
     def prefix_digest(self, n: int) -> str: ...
 
 
-def sequence_digest(items: Iterable[int | str]) -> str:
-    """Collision-resistant digest of a token-id or message sequence (length-prefixed, so no two differ)."""
-    h = hashlib.blake2b(digest_size=16)
-    for item in items:
+class RunningDigest:
+    """:func:`sequence_digest` item by item: the digest of every prefix in one pass over the items."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def update(self, item: int | str) -> None:
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise TypeError(f"sequence items must be int token ids or str, got {type(item).__name__}")
         data = item.encode("utf-8") if isinstance(item, str) else str(item).encode("ascii")
+        h = self._h
         h.update(b"s" if isinstance(item, str) else b"i")
         h.update(len(data).to_bytes(4, "little"))
         h.update(data)
-    return h.hexdigest()
+
+    def copy(self) -> "RunningDigest":
+        other = RunningDigest.__new__(RunningDigest)
+        other._h = self._h.copy()
+        return other
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def sequence_digest(items: Iterable[int | str]) -> str:
+    """Collision-resistant digest of a token-id or message sequence (length-prefixed, so no two differ)."""
+    running = RunningDigest()
+    for item in items:
+        running.update(item)
+    return running.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

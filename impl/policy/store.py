@@ -41,6 +41,7 @@ class MissReason(enum.Enum):
     GUARD = "guard"  # the new prompt does not continue the held sequence
     TENANT = "tenant"  # the id exists, under another tenant
     EVICTED = "evicted"  # dropped by the LRU bound
+    TAKEN = "taken"  # a history entry another turn took first (impl.policy.history_key: single-use)
 
 
 @frozen_init  # built per turn: see impl.policy.fastinit
@@ -221,6 +222,16 @@ class ConversationStore:
         self._entries.move_to_end(key)
         self.stats.hits += 1
         return entry
+
+    def take(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        """:meth:`lookup`, and on a hit the entry leaves the store: for keys that can be offered once
+        (impl.policy.history_key). A later lookup of the key misses as ``taken``."""
+        found = self.lookup_entry(tenant, conversation_id, prompt, now)
+        if type(found) is MissReason:
+            return _MISSES[found]
+        key = (tenant, conversation_id)
+        self._remove(key, MissReason.TAKEN)
+        return Lookup(found, None)
 
     def _miss(self, reason: MissReason) -> MissReason:
         self.stats.misses[reason] += 1

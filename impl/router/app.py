@@ -216,7 +216,8 @@ class Router:
                 body = parse_json_body(raw)
                 refuse_nested_kv_params(body, raw)
                 turn = parse_turn(endpoint, body, request.headers.get("X-Conversation-Id"), self.config.max_conversation_id_len,
-                                  header_session_id=request.headers.get("X-Session-ID"))
+                                  header_session_id=request.headers.get("X-Session-ID"),
+                                  history_lookups=self.config.history_lookups)
                 limit = self.context_limit(turn.body.get("model"))
                 if limit:
                     check_context_budget(turn, limit)

@@ -56,6 +56,9 @@ class RouterConfig:
     client_write_timeout_s: float = 60.0
     max_client_connections: int = 4096
     max_conversation_id_len: int = 256
+    # A request without a conversation id is looked up by the history it resends (impl.policy.history_key):
+    # at most this many keys, the most recent first (0: only requests that name their conversation reuse)
+    history_lookups: int = 8
     # 0: learnt from the instances' /v1/models (vLLM reports each model's max_model_len); a request
     # asking for more is refused here instead of reaching P and D
     max_model_len: int = 0
@@ -102,6 +105,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not 0 <= self.history_lookups <= 64:  # each is a store read on the turn's path
+            raise ValueError(f"history_lookups must be in 0..64, got {self.history_lookups}")
         if self.max_client_connections < 1:
             raise ValueError(f"max_client_connections must be >= 1, got {self.max_client_connections}")
         for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s", "client_write_timeout_s"):
@@ -163,6 +168,9 @@ FLAG_HELP: dict[str, str] = {
     "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
                               "file-descriptor limit is raised to fit; ~7 KB of RSS per idle connection)",
     "max_conversation_id_len": "longest conversation_id accepted",
+    "history_lookups": "most store keys a request without a conversation id is looked up under, by the history it "
+                       "resends (the prefixes ending at an assistant message, most recent first; completions: "
+                       "anchors every 256 characters / 64 tokens); 0 = reuse only for requests that name their conversation",
     "max_model_len": "longest context (prompt + max_tokens) a request may ask for, refused with 400 beyond it; "
                      "0: learn each model's max_model_len from the instances' /v1/models",
     "expose_upstream_urls": "debug: name P and D by URL in X-Bidikv-Prefill/X-Bidikv-Decode (default: instance names "

@@ -142,9 +142,15 @@ class RouterMetrics:
         # that difference would let a tenant probe for other tenants' ids, so it is counted as unknown.
         self.reuse_misses = r.add(FoldedCounter(p + "reuse_misses_total", "Turns sent to P without reuse, by reason "
                                                 "(store: unknown -- including an id another tenant holds --, expired, guard, "
-                                                "evicted; router: no_conversation_id, unsupported; prefill_error: a hit "
+                                                "evicted, taken: another turn of the same history took it first; router: no_history: a first turn, "
+                                                "no_conversation_id: history keys off and no id, unsupported; prefill_error: a hit "
                                                 "withdrawn after P failed with it; given_back: a give-back D freed it "
                                                 "under memory pressure).", ("reason",), fold={"tenant": "unknown"}))
+        self.reuse_lookups = r.add(Counter(p + "reuse_lookups_total", "Turns looked up in the store, by what they were "
+                                           "looked up by (id: the client named the conversation; prompt_cache_key; "
+                                           "history: the messages or prompt the client resent).", ("match",)))
+        self.reuse_matches = r.add(Counter(p + "reuse_matches_total", "Turns sent to P with a previous turn's D params, "
+                                           "by how that turn was found (id, prompt_cache_key, history).", ("match",)))
         self.give_back_renewals = r.add(Counter(p + "give_back_renewals_total", "Renewals asked of a give-back D "
                                                 "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
                                                 "read until its expiry; given_back; expired; unknown; no_listener; "

@@ -43,7 +43,7 @@ from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
-from impl.router.request import TurnRequest
+from impl.router.request import TurnRequest, shown_id
 from impl.router.sse import SSEError, SSESplitter, format_event
 from impl.router.stores import RouterStore, StoreUnavailable
 from impl.router.upstream_http import (UpstreamClient, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
@@ -51,6 +51,8 @@ from impl.router.upstream_http import (UpstreamClient, UpstreamConnectError, Ups
 from impl.router.upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger("bidikv.router")
+# one line per turn (how it was matched, what was offered, where it went); silence it by name
+turn_log = logging.getLogger("bidikv.router.turns")
 
 FRESH_TURN_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -63,6 +65,8 @@ FRESH_TURN_PARAMS: dict[str, Any] = {
 # Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
 # what a give-back D answers for a turn it no longer holds (impl.connector.heartbeat's not_held reasons)
 _NOT_HELD = ("given_back", "expired", "unknown", "other_engine", "not_held")
+# answers a history key can be told from: plain, or with reasoning (the key's normal form drops it)
+_KEYABLE_ANSWERS = (None, "reasoning_content", "reasoning")
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
 # The fields P's and D's bodies set differently. The rest of the client's body (the history: nearly
 # all its bytes) is JSON-encoded once per turn and shared by both (see _SharedBody).
@@ -161,8 +165,7 @@ class TurnProxy:
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
-        key = (tenant, turn.conversation_id) if turn.conversation_id is not None else None
-        offered, given_back = await self._lookup(turn, tenant, key)
+        offered, given_back, key = await self._lookup(turn, tenant)
         request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
         headers = dict(self.upstream_headers)
         headers["X-Request-Id"] = request_id
@@ -175,7 +178,7 @@ class TurnProxy:
         except _PassThrough as e:
             return e.response
 
-        storable = key is not None and turn.view is not None
+        storable = turn.match != "none" and turn.view is not None
         d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
         token = None
         url = self.notify_url() if (storable and self.config.notify) else None
@@ -190,7 +193,8 @@ class TurnProxy:
         payload = shared.encode(d_fields)
         # what this turn got, for clients that measure (bidikv bench): names and counts, never KV locations
         info = {"X-Bidikv-Prefill": prefill.upstream.name,
-                "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0)}
+                "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
+                "X-Bidikv-Reuse-Match": turn.match if offered is not None else "none"}
         if prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
         if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
@@ -198,12 +202,29 @@ class TurnProxy:
         if offered is not None:
             self._account_reuse(prefill, info, key)
         handed_off = recorded = False
+        stored_key: tuple[str, str] | None = None
 
         async def record(capture: TurnCapture, upstream: Upstream) -> None:
-            nonlocal handed_off, recorded
+            nonlocal handed_off, recorded, stored_key
             recorded = True
-            if storable:
-                handed_off = await self.recorder.finish_turn(key, turn, capture, upstream, request_id if token else None)
+            if not storable:
+                return
+            if not capture.complete:  # the recorder counts why; nothing is stored under any key
+                await self.recorder.finish_turn((tenant, ""), turn, capture, upstream, None)
+                return
+            if turn.match == "history" and capture.unreconstructable not in _KEYABLE_ANSWERS:
+                # tool calls (or several choices): the message the client resends cannot be told, so no
+                # key would ever find the entry
+                self.metrics.turns_not_stored.inc("unreconstructable")
+                return
+            stored = turn.stored_id(capture.answer, capture.output_token_ids)
+            if stored is None:
+                self.metrics.turns_not_stored.inc("no_token_ids")
+                return
+            if turn.match == "history":  # the next turn looks its P up under this key
+                self._remember_affinity((tenant, stored), prefill.upstream.name, turn.estimated_tokens)
+            stored_key = (tenant, stored)
+            handed_off = await self.recorder.finish_turn(stored_key, turn, capture, upstream, request_id if token else None)
 
         try:
             if turn.stream:
@@ -216,27 +237,47 @@ class TurnProxy:
         finally:
             if token is not None and not handed_off:
                 self.hub.close(request_id)
+            # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
+            turn_log.info("turn %s match=%s key=%s offered=%d P=%s next=%s", request_id, info["X-Bidikv-Reuse-Match"],
+                          shown_id(key[1]) if key else "-", offered.num_tokens if offered is not None else 0,
+                          prefill.upstream.name, shown_id(stored_key[1]) if stored_key else "-")
 
     # -- 1. lookup --------------------------------------------------------------------------------
-    async def _lookup(self, turn: TurnRequest, tenant: str,
-                      key: tuple[str, str] | None) -> tuple[ConversationEntry | None, bool]:
-        """The entry to offer P (or None), and whether D gave it back under pressure."""
-        if key is None:
-            self.metrics.reuse_misses.inc("no_conversation_id")
-            return None, False
+    async def _lookup(self, turn: TurnRequest, tenant: str
+                      ) -> tuple[ConversationEntry | None, bool, tuple[str, str] | None]:
+        """The entry to offer P (or None), whether D gave it back under pressure, and the key the
+        turn was looked up under (the one that hit, else the first tried; None if none was)."""
         if turn.view is None:
             self.metrics.reuse_misses.inc("unsupported")
-            return None, False
+            return None, False, None
+        first = turn.store_id
+        if first is None:
+            self.metrics.reuse_misses.inc("no_history" if turn.match == "history" else "no_conversation_id")
+            return None, False, None
+        self.metrics.reuse_lookups.inc(turn.match)
+        key = (tenant, first)
         await self.recorder.wait_pending(key)  # the previous turn may still await D's notification
+        candidates = turn.history_candidates if turn.match == "history" else (first,)
+        miss: str | None = None
+        entry = None
         try:
-            found = await self.store.lookup(tenant, key[1], turn.view, self.clock())
+            for cid in candidates:
+                if turn.match == "history":
+                    # single-use: P's read frees D's blocks, so a regenerated turn must not find it again
+                    found = await self.store.take(tenant, cid, turn.view, self.clock())
+                else:
+                    found = await self.store.lookup(tenant, cid, turn.view, self.clock())
+                if found.entry is not None:
+                    entry, key = found.entry, (tenant, cid)
+                    break
+                if miss is None:  # the most recent candidate's reason is the one that says why
+                    miss = found.miss.value if found.miss else "unknown"
         except StoreUnavailable:  # Redis down: the turn is served, without reuse (the store logged it once)
             self.metrics.reuse_misses.inc("store_unavailable")
-            return None, False
-        if found.entry is None:
-            self.metrics.reuse_misses.inc(found.miss.value if found.miss else "unknown")
-            return None, False
-        entry = found.entry
+            return None, False, key
+        if entry is None:
+            self.metrics.reuse_misses.inc(miss or "unknown")
+            return None, False, key
         if entry.kv_params.get(RENEW_BEFORE_READ_KEY) and self.renew_for_read is not None:
             # a give-back D publishes short expiries: renewed now, P gets a fresh one (impl.policy.give_back)
             outcome, expiry = await self.renew_for_read(entry)
@@ -245,10 +286,11 @@ class TurnProxy:
                 entry = dataclasses.replace(entry, kv_params={**entry.kv_params, "remote_blocks_expiry_time": expiry})
             elif outcome in _NOT_HELD:
                 self.metrics.reuse_misses.inc("given_back" if outcome == "given_back" else "expired")
-                return None, outcome == "given_back"
+                return None, outcome == "given_back", key
         self.metrics.reuse_hits.inc()
+        self.metrics.reuse_matches.inc(turn.match)
         self.metrics.tokens_reused.inc(amount=entry.num_tokens)
-        return entry, False
+        return entry, False, key
 
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
@@ -346,7 +388,7 @@ class TurnProxy:
         info["X-Bidikv-Reuse-Verify"] = reason
         if counts.get("verified", 0) < counts.get("offered", 0):
             log.info("conversation %s: P verified %d of %d offered tokens (%s), pulled %d",
-                     key[1] if key else "-", counts.get("verified", 0), counts["offered"], reason,
+                     shown_id(key[1]) if key else "-", counts.get("verified", 0), counts["offered"], reason,
                      counts.get("pulled", 0))
 
     def _remember_affinity(self, key: tuple[str, str], name: str, tokens: int) -> None:

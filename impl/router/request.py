@@ -28,9 +28,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from impl.policy import ItemsPrompt, PromptView, canonical_messages, sequence_digest
+from impl.policy.history_key import (DEFAULT_MAX_CANDIDATES, HistoryKeys, PrefixAnchors, text_anchors,
+                                     token_anchors)
 from impl.policy.text_prompt import TextPrompt
 
 Endpoint = Literal["chat", "completion"]
+# How a turn finds the KV of the turn before (header X-Bidikv-Reuse-Match, metric label):
+# "id": the client named the conversation; "prompt_cache_key": OpenAI's cache-routing field, taken as
+# the conversation's name when no id is sent; "history": neither, looked up by the history it resends
+# (impl.policy.history_key); "none": nothing to look up by (a first turn, or a request never reused)
+Match = Literal["id", "prompt_cache_key", "history", "none"]
+# the conversation part of a prompt_cache_key's store key (ids a client sends cannot start with NUL)
+PROMPT_CACHE_KEY_PREFIX = "\x00p:"
+_TEXT_ANCHORS = text_anchors()
+_TOKEN_ANCHORS = token_anchors()
 MAX_TOKEN_ID = 2**31 - 1
 # Deepest JSON nesting accepted, enforced before decoding. Real requests stay far below (a tool's
 # JSON schema: ~10-20 levels); anything near Python's recursion limit (1,000 frames, shared with
@@ -61,6 +72,29 @@ class TurnRequest:
     unsupported: str | None  # why view is None
     prompt_kind: Literal["tokens", "chat", "text", "other"]
     estimated_tokens: int
+    match: Match = "none"
+    # with match "history": the store keys to look up, most recent first (empty: a first turn)
+    history_candidates: tuple[str, ...] = ()
+    _history: HistoryKeys | PrefixAnchors | None = None
+
+    @property
+    def store_id(self) -> str | None:
+        """The conversation part of the key a lookup tries first: the id, or the most recent history key."""
+        if self.match == "history":
+            return self.history_candidates[0] if self.history_candidates else None
+        return self.conversation_id
+
+    def stored_id(self, answer: str, output_token_ids: list[int] | None) -> str | None:
+        """The conversation part of the key this turn is stored under once D answered ``answer``."""
+        if self.match != "history" or self._history is None:
+            return self.conversation_id
+        if isinstance(self._history, HistoryKeys):
+            return self._history.after_answer(answer)
+        if self.prompt_kind == "text":
+            return self._history.stored(self.body["prompt"] + answer)
+        if output_token_ids is None:
+            return None
+        return self._history.stored(list(self.body["prompt"]) + list(output_token_ids))
 
     def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
         """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
@@ -154,7 +188,8 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id: str | None, max_id_len: int,
-               header_session_id: str | None = None) -> TurnRequest:
+               header_session_id: str | None = None, history_lookups: int = DEFAULT_MAX_CANDIDATES) -> TurnRequest:
+    """``history_lookups``: most history keys a request without an id is looked up under (0: none)."""
     conversation_id = _conversation_id(body.pop("conversation_id", None), header_conversation_id, max_id_len)
     # vLLM's own session key (PR #48048: body "session_id", header X-Session-ID) names the conversation
     # too; removed from what goes upstream like conversation_id (vLLM 0.32 predates the field)
@@ -199,7 +234,33 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
         unsupported = "batched prompt"
     if unsupported is not None:
         view, kind = None, "other"
-    return TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
+    turn = TurnRequest(endpoint, body, conversation_id, stream, view, unsupported, kind, estimated)
+    if view is None:
+        return turn
+    if conversation_id is not None:
+        turn.match = "id"
+        return turn
+    cache_key = body.get("prompt_cache_key")
+    if cache_key is not None:
+        if not isinstance(cache_key, str):
+            raise RequestError("prompt_cache_key", "must be a string")
+        turn.conversation_id = PROMPT_CACHE_KEY_PREFIX + check_conversation_id(cache_key, max_id_len, "prompt_cache_key")
+        turn.match = "prompt_cache_key"
+        return turn
+    if history_lookups <= 0:
+        return turn
+    if kind == "chat":
+        history: HistoryKeys | PrefixAnchors = HistoryKeys(body["messages"], history_lookups, view.items)
+        turn.history_candidates = tuple(history.candidates)
+    else:
+        anchors = _TEXT_ANCHORS if kind == "text" else _TOKEN_ANCHORS
+        if anchors.max_candidates != history_lookups:
+            anchors = (text_anchors if kind == "text" else token_anchors)(max_candidates=history_lookups)
+        history = anchors
+        units = body["prompt"]
+        turn.history_candidates = tuple(anchors.candidates(units))
+    turn.match, turn._history = "history", history
+    return turn
 
 
 def refuse_nested_kv_params(body: dict[str, Any], raw: bytes) -> None:
@@ -248,10 +309,21 @@ def _conversation_id(from_body: Any, from_header: str | None, max_len: int, fiel
 
 
 def check_conversation_id(cid: str, max_len: int, field: str = "conversation_id") -> str:
-    """A conversation id from a body, a header or a URL path: 1..max_len characters of valid Unicode."""
+    """A conversation id from a body, a header or a URL path: 1..max_len characters of valid Unicode,
+    not starting with NUL (the router's own keys do: impl.policy.history_key)."""
     if not cid or len(cid) > max_len:
         raise RequestError(field, f"must be 1..{max_len} characters")
+    if cid[0] == "\x00":
+        raise RequestError(field, "must not start with a NUL character")
     _check_encodable(cid, field)
+    return cid
+
+
+def shown_id(cid: str) -> str:
+    """A store key's conversation part as logs show it: the router's own keys by kind and a digest prefix."""
+    if cid.startswith("\x00"):
+        kind = {"h": "history", "t": "text", "i": "tokens", "p": "prompt_cache_key"}.get(cid[1:2], "key")
+        return f"{kind}:{cid[-12:]}" if kind != "prompt_cache_key" else f"{kind}:{cid[3:]}"
     return cid
 
 

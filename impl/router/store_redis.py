@@ -418,6 +418,20 @@ class RedisStore:
 
     # -- the protocol -----------------------------------------------------------------------------
     async def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        return (await self._lookup_versioned(tenant, conversation_id, prompt, now))[0]
+
+    async def take(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        found, version = await self._lookup_versioned(tenant, conversation_id, prompt, now)
+        if found.entry is None:
+            return found
+        # only the replica whose delete removed this very version got it; another took it in between
+        if not int(await self._script(self._forget, member(tenant, conversation_id), version, self.max_entries)):
+            self.stats.hits -= 1
+            return self._miss(MissReason.TAKEN)
+        return found
+
+    async def _lookup_versioned(self, tenant: str, conversation_id: str, prompt: PromptView,
+                                now: float) -> tuple[Lookup, bytes | None]:
         m = member(tenant, conversation_id)
         started = time.monotonic()
         while True:
@@ -440,10 +454,10 @@ class RedisStore:
                     await self._script(self._untouch, m, reply[5], reply[6])
                 except StoreUnavailable:
                     pass  # the entry merely looks more recently used than it was
-                return self._miss(MissReason.GUARD)
+                return self._miss(MissReason.GUARD), None
             self.stats.hits += 1
-            return Lookup(entry, None)
-        return self._miss(_MISS.get(reply[3], MissReason.UNKNOWN))
+            return Lookup(entry, None), reply[3]
+        return self._miss(_MISS.get(reply[3], MissReason.UNKNOWN)), None
 
     def _miss(self, reason: MissReason) -> Lookup:
         self.stats.misses[reason] += 1

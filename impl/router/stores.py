@@ -42,6 +42,9 @@ class Versioned:
 class RouterStore(Protocol):
     async def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup: ...
 
+    # lookup, and a hit leaves the store in the same step (a single-use history key)
+    async def take(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup: ...
+
     async def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None: ...
 
     async def get(self, tenant: str, conversation_id: str) -> Versioned | None: ...
@@ -77,6 +80,9 @@ class MemoryStore:
 
     async def lookup(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
         return self.store.lookup(tenant, conversation_id, prompt, now)
+
+    async def take(self, tenant: str, conversation_id: str, prompt: PromptView, now: float) -> Lookup:
+        return self.store.take(tenant, conversation_id, prompt, now)
 
     async def record_success(self, tenant: str, conversation_id: str, entry: ConversationEntry, now: float) -> None:
         self.store.record_success(tenant, conversation_id, entry, now)

@@ -142,9 +142,9 @@ async def test_header_conversation_id_and_no_id():
                             headers={"X-Conversation-Id": "via-header"})
         assert r1.status == 200
         assert dep.router.store.get("default", "via-header") is not None
-        await dep.chat([user("h")])  # no id: served, nothing stored
-        assert dep.router.metrics.reuse_misses.get("no_conversation_id") == 1
-        assert len(dep.router.store) == 1
+        await dep.chat([user("h")])  # no id: a first turn has no history to be found by; stored under its own
+        assert dep.router.metrics.reuse_misses.get("no_history") == 1
+        assert len(dep.router.store) == 2
 
 
 async def test_unsupported_shapes_are_served_but_never_reused():

@@ -119,6 +119,31 @@ async def test_failed_turn_keeps_entry_and_success_replaces(make_store):
     await store.close()
 
 
+async def test_take_offers_an_entry_once(make_store):
+    """History keys are single-use (P's read frees D's blocks): take hits once, then misses."""
+    store = make_store()
+    await store.record_success("t", "\x00h:k", entry([1, 2], 100.0), now=0.0)
+    assert (await store.take("t", "\x00h:k", ItemsPrompt([1, 3]), now=1.0)).miss is MissReason.GUARD  # stays
+    assert (await store.take("t", "\x00h:k", ItemsPrompt([1, 2, 3]), now=1.0)).hit
+    assert not (await store.take("t", "\x00h:k", ItemsPrompt([1, 2, 3]), now=2.0)).hit
+    assert len(store) == 0 if isinstance(store, MemoryStore) else await store.size() == 0
+    await store.close()
+
+
+async def test_replicas_racing_to_take_one_history_entry_get_it_once(redis_server):
+    replicas = [redis_store(redis_server.url, prefix="race-take:") for _ in range(4)]
+    try:
+        for round_ in range(20):
+            cid = f"\x00h:{round_}"
+            await replicas[0].record_success("t", cid, entry([1], 100.0), now=0.0)
+            got = await asyncio.gather(*(r.take("t", cid, ItemsPrompt([1, 2]), now=1.0) for r in replicas))
+            assert sum(g.hit for g in got) == 1
+            assert {g.miss for g in got if not g.hit} <= {MissReason.TAKEN, MissReason.UNKNOWN}
+    finally:
+        for r in replicas:
+            await r.close()
+
+
 async def test_miss_reasons(make_store):
     store = make_store(max_entries=1)
     await store.record_success("a", "c", entry([1], 100.0), now=0.0)

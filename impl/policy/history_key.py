@@ -1,0 +1,183 @@
+"""Keys for a conversation whose client sends no id: the digest of the history it resends.
+
+The clients people put in front of an OpenAI endpoint (the ``openai`` SDKs, chat UIs, LangChain,
+agent frameworks, vLLM's ``benchmark_serving_multi_turn.py`` without ``--send-conversation-id``)
+resend the whole ``messages`` list every turn and name no conversation. A later turn's messages begin
+with an earlier turn's messages plus the answer D generated for it, so:
+
+* a finished turn is stored under :meth:`HistoryKeys.after_answer` -- the digest of its prompt's
+  messages plus the assistant answer, tenant-scoped like every key;
+* a new request is looked up under :attr:`HistoryKeys.candidates` -- the digests of its prefixes that
+  end at an assistant message, the most recent first, at most ``max_candidates`` of them.
+
+The digest is over :func:`key_item` of each message, a normal form that forgets what clients and
+SDKs change when they resend an answer but that does not change what was said: keys whose value is
+null (the SDK's ``message.model_dump()`` writes ``refusal``, ``audio``, ``function_call`` ...),
+reasoning (``reasoning_content``, ``reasoning``: most templates drop earlier thinking), annotations,
+the streaming ``index`` of a tool call, and the spelling of a tool call's JSON arguments. For a plain
+``{"role", "content"}`` message it is exactly :func:`~impl.policy.continuation.canonical_messages`'s
+string, so the usual chat history costs no second pass.
+
+What a false match costs: the key only finds an entry; whether its KV is reused is decided as for an
+explicit id -- the router's continuation guard where D publishes no checkpoints, else P comparing
+token ids against D's checkpoints (:mod:`impl.policy.prefix_check`) and pulling only the prefix that
+agrees. A history that matches in normal form but renders to other tokens (reasoning a template keeps,
+re-serialised arguments) therefore costs P one verification (a dozen hashes) and at worst recomputes
+what disagrees, never serves other KV. The lookup costs at most ``max_candidates`` store reads; the
+digests are one pass over the history (:class:`~impl.policy.continuation.RunningDigest`).
+
+Completions (``/v1/completions``) have no message boundaries: the held sequence (prompt + answer, as
+code points or token ids) is anchored at its length rounded down to a multiple of ``chunk`` units,
+and a new prompt of ``n`` units tries the anchors at or below ``n``, the longest first. The entry
+found then carries the exact held length and digest, checked by the store's guard (the held
+sequence's prefix check). An answer plus a new user text longer than ``chunk * max_candidates`` units
+is not found (the next turn recomputes); two held sequences that share the anchored prefix (a
+regenerated answer) keep the later one.
+
+A history entry is single-use: P's read frees D's blocks (vLLM's ``request_finished`` delays the free
+only until the read completes), so the router takes the entry it offers instead of leaving it for a
+regenerated turn to find again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Any, Callable, Mapping, Sequence
+
+from impl.policy.continuation import RunningDigest, canonical_messages
+
+# A stored key's conversation part. Client ids cannot start with NUL (impl.router.request refuses
+# it), so a history key never meets an id a client chose.
+HISTORY_PREFIX = "\x00h:"
+TEXT_PREFIX = "\x00t"
+TOKENS_PREFIX = "\x00i"
+DEFAULT_MAX_CANDIDATES = 8
+# Anchor spacing for completions: 8 candidates reach 2,048 code points / 512 tokens back from the end
+# of a prompt, which covers an answer plus the next user turn of a typical completion-style chat.
+DEFAULT_TEXT_CHUNK = 256
+DEFAULT_TOKEN_CHUNK = 64
+
+# Not part of what was said: dropped from the normal form (with every null value)
+_DROPPED_KEYS = frozenset({"reasoning_content", "reasoning", "annotations", "refusal", "audio"})
+_encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode
+
+
+def _tool_call(call: Any) -> Any:
+    if not isinstance(call, Mapping):
+        return call
+    out = {k: v for k, v in call.items() if v is not None and k != "index"}
+    function = out.get("function")
+    if isinstance(function, Mapping):
+        function = {k: v for k, v in function.items() if v is not None}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:  # {"a": 1} and {"a":1} are one call; the template renders its own spelling
+                function["arguments"] = _encode(json.loads(arguments))
+            except (ValueError, RecursionError):
+                pass  # not JSON: compared as sent
+        out["function"] = function
+    return out
+
+
+def key_item(message: Mapping[str, Any]) -> str:
+    """The normal form of one chat message for history keys (see the module docstring)."""
+    if type(message) is dict and len(message) == 2 and type(message.get("content")) is str \
+            and type(message.get("role")) is str:
+        return canonical_messages((message,))[0]  # the common case, and the guard's own string
+    out = {k: v for k, v in message.items() if v is not None and k not in _DROPPED_KEYS}
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        if calls:
+            out["tool_calls"] = [_tool_call(c) for c in calls]
+            if out.get("content") == "":
+                del out["content"]  # a tool-call message: "" and null content are sent alike
+        else:
+            del out["tool_calls"]
+    if isinstance(out.get("function_call"), Mapping):
+        out["function_call"] = _tool_call({"function": out["function_call"]})["function"]
+    if len(out) == 2 and type(out.get("content")) is str and type(out.get("role")) is str:
+        return canonical_messages((out,))[0]
+    return _encode(out)
+
+
+class HistoryKeys:
+    """The history keys of one chat request: where to look it up, and where its turn is stored."""
+
+    __slots__ = ("candidates", "_state")
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]], max_candidates: int = DEFAULT_MAX_CANDIDATES,
+                 items: Sequence[str] | None = None) -> None:
+        """``items``: the messages' :func:`canonical_messages` strings if the caller has them (reused
+        for plain messages, whose normal form they are)."""
+        running = RunningDigest()
+        ends: list[str] = []
+        for i, message in enumerate(messages):
+            plain = items is not None and type(message) is dict and len(message) == 2 \
+                and type(message.get("content")) is str and type(message.get("role")) is str
+            running.update(items[i] if plain else key_item(message))
+            if message.get("role") == "assistant":
+                ends.append(running.hexdigest())
+        self.candidates = [HISTORY_PREFIX + d for d in reversed(ends[-max_candidates:])] if max_candidates > 0 else []
+        self._state = running
+
+    def after_answer(self, answer: str) -> str:
+        """The key of the history D holds once it has answered ``answer`` to these messages."""
+        running = self._state.copy()
+        running.update(key_item({"role": "assistant", "content": answer}))
+        return HISTORY_PREFIX + running.hexdigest()
+
+
+def _text_bytes(text: Any, start: int, end: int) -> bytes:
+    return text[start:end].encode("utf-8", "surrogatepass")
+
+
+def _token_bytes(ids: Any, start: int, end: int) -> bytes:
+    return struct.pack(f"<{end - start}I", *ids[start:end])
+
+
+class PrefixAnchors:
+    """Anchor keys of a sequence of units (code points or token ids), one every ``chunk`` units."""
+
+    __slots__ = ("prefix", "chunk", "max_candidates", "_encode")
+
+    def __init__(self, prefix: str, chunk: int, max_candidates: int,
+                 encode: Callable[[Any, int, int], bytes]) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.prefix, self.chunk, self.max_candidates, self._encode = prefix, chunk, max_candidates, encode
+
+    def lengths(self, n: int) -> list[int]:
+        """The anchors a prompt of ``n`` units tries, the longest first."""
+        top = n - n % self.chunk
+        return [a for a in range(top, top - self.chunk * self.max_candidates, -self.chunk) if a >= 0]
+
+    def _keys(self, units: Any, lengths: Sequence[int]) -> list[str]:
+        """Keys of the prefixes of ``lengths`` units, in the order given: one pass over the units."""
+        h = hashlib.blake2b(digest_size=16, person=self.prefix.encode("utf-8"))
+        done = 0
+        keys = {}
+        for n in sorted(lengths):
+            h.update(self._encode(units, done, n))
+            done = n
+            keys[n] = f"{self.prefix}{n}:{h.hexdigest()}"
+        return [keys[n] for n in lengths]
+
+    def candidates(self, units: Any) -> list[str]:
+        return self._keys(units, self.lengths(len(units)))
+
+    def stored(self, held: Any) -> str:
+        """The key a held sequence is stored under: its length rounded down to the anchor spacing."""
+        n = len(held)
+        return self._keys(held, [n - n % self.chunk])[0]
+
+
+def text_anchors(chunk: int = DEFAULT_TEXT_CHUNK, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> PrefixAnchors:
+    """Anchors of a completion prompt given as text (units: code points)."""
+    return PrefixAnchors(TEXT_PREFIX, chunk, max_candidates, _text_bytes)
+
+
+def token_anchors(chunk: int = DEFAULT_TOKEN_CHUNK, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> PrefixAnchors:
+    """Anchors of a completion prompt given as token ids."""
+    return PrefixAnchors(TOKENS_PREFIX, chunk, max_candidates, _token_bytes)
