@@ -214,7 +214,8 @@ class RawClient:
             self.writer.close()
 
 
-async def user_loop(uid: int, port: int, via_router: bool, stop_at: float, record_from: float, samples: Samples) -> int:
+async def user_loop(uid: int, port: int, via_router: bool, stop_at: float, record_from: float, samples: Samples,
+                    send_id: bool = True) -> int:
     client = RawClient("127.0.0.1", port)
     conversation = 0
     done = 0
@@ -227,7 +228,7 @@ async def user_loop(uid: int, port: int, via_router: bool, stop_at: float, recor
                 if time.perf_counter() >= stop_at:
                     break
                 body = {"model": "bench", "messages": messages, "stream": True, "max_tokens": CHUNKS}
-                if via_router:
+                if via_router and send_id:
                     body["conversation_id"] = cid
                 try:
                     ttft, total, status = await client.post("/v1/chat/completions", json.dumps(body).encode())
@@ -287,7 +288,7 @@ async def fetch_stats(port: int) -> dict:
 
 
 async def run_level(port: int, via_router: bool, concurrency: int, warmup: float, duration: float, router_pid: int | None,
-                    upstream_port: int) -> dict:
+                    upstream_port: int, send_id: bool = True) -> dict:
     samples = Samples()
     start = time.perf_counter()
     record_from = start + warmup
@@ -299,7 +300,7 @@ async def run_level(port: int, via_router: bool, concurrency: int, warmup: float
             (await fetch_stats(upstream_port))
 
     measurer = asyncio.ensure_future(measure())
-    counts = await asyncio.gather(*(user_loop(i, port, via_router, stop_at, record_from, samples) for i in range(concurrency)))
+    counts = await asyncio.gather(*(user_loop(i, port, via_router, stop_at, record_from, samples, send_id) for i in range(concurrency)))
     (cpu0, switches0), stats0 = await measurer
     window = time.perf_counter() - record_from  # users finish their in-flight request after stop_at
     cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
@@ -366,6 +367,9 @@ def main() -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the router's event loop")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--match", choices=["id", "history"], default="id",
+                    help="id: clients send conversation_id; history: they send none, as the openai SDK does, and the "
+                         "router finds each turn by the history it resends")
     ap.add_argument("--verified", action="store_true",
                     help="D publishes a token-exact prefix check and P reports its verification (our connector)")
     ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
@@ -400,11 +404,13 @@ def main() -> int:
                 for target in ("direct", "router"):
                     port = router_port if target == "router" else up_port
                     res = asyncio.run(run_level(port, target == "router", c, args.warmup, args.duration,
-                                                router.pid if target == "router" else None, up_port))
+                                                router.pid if target == "router" else None, up_port,
+                                                args.match == "id"))
                     res.update(target=target, rep=rep)
                     results.append(res)
                     print(json.dumps(res), flush=True)
         summarize(results)
+        print_reuse(router_port)
         if args.json:
             Path(args.json).write_text(json.dumps({"loop": args.loop, "pinned": pin, "results": results}, indent=1))
     finally:
@@ -415,6 +421,16 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     return 0
+
+
+def print_reuse(router_port: int) -> None:
+    """What the router matched over the whole run: turns 2-5 must hit, by the id or by the history."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    wanted = ("bidikv_router_reuse_hits_total", "bidikv_router_reuse_matches_total", "bidikv_router_reuse_misses_total")
+    print("router reuse:", "; ".join(line for line in lines if line.startswith(wanted)))
 
 
 def summarize(results: list[dict]) -> None:

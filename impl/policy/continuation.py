@@ -33,13 +33,14 @@ class RunningDigest:
         self._h = hashlib.blake2b(digest_size=16)
 
     def update(self, item: int | str) -> None:
+        if type(item) is str:  # a message (the router's every turn): one call into the hash
+            data = item.encode("utf-8")
+            self._h.update(b"s" + len(data).to_bytes(4, "little") + data)
+            return
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise TypeError(f"sequence items must be int token ids or str, got {type(item).__name__}")
         data = item.encode("utf-8") if isinstance(item, str) else str(item).encode("ascii")
-        h = self._h
-        h.update(b"s" if isinstance(item, str) else b"i")
-        h.update(len(data).to_bytes(4, "little"))
-        h.update(data)
+        self._h.update((b"s" if isinstance(item, str) else b"i") + len(data).to_bytes(4, "little") + data)
 
     def copy(self) -> "RunningDigest":
         other = RunningDigest.__new__(RunningDigest)
@@ -69,6 +70,27 @@ class ItemsPrompt:
         return len(self.items)
 
     def prefix_digest(self, n: int) -> str:
+        if n > len(self.items):
+            raise ValueError(f"prefix of {n} items requested from a prompt of {len(self.items)}")
+        return sequence_digest(self.items[:n])
+
+
+@dataclass(frozen=True, slots=True)
+class KnownPrefixes:
+    """A prompt given as its items, with the digests of some prefixes already known (computed in the
+    same pass that made the history keys: impl.policy.history_key), so the guard does not hash again."""
+
+    items: Sequence[int | str]
+    known: Mapping[int, str]
+
+    @property
+    def length(self) -> int:
+        return len(self.items)
+
+    def prefix_digest(self, n: int) -> str:
+        digest = self.known.get(n)
+        if digest is not None:
+            return digest
         if n > len(self.items):
             raise ValueError(f"prefix of {n} items requested from a prompt of {len(self.items)}")
         return sequence_digest(self.items[:n])

@@ -105,7 +105,7 @@ def key_item(message: Mapping[str, Any]) -> str:
 class HistoryKeys:
     """The history keys of one chat request: where to look it up, and where its turn is stored."""
 
-    __slots__ = ("candidates", "_state")
+    __slots__ = ("candidates", "guard_digests", "_state", "_plain")
 
     def __init__(self, messages: Sequence[Mapping[str, Any]], max_candidates: int = DEFAULT_MAX_CANDIDATES,
                  items: Sequence[str] | None = None) -> None:
@@ -113,20 +113,38 @@ class HistoryKeys:
         for plain messages, whose normal form they are)."""
         running = RunningDigest()
         ends: list[str] = []
+        # While every message so far is plain, the running digest is also the continuation guard's
+        # digest of that prefix (sequence_digest of the canonical strings): kept, the guard need not hash
+        self.guard_digests: dict[int, str] = {}
+        plain_so_far = items is not None
+        update = running.update
         for i, message in enumerate(messages):
-            plain = items is not None and type(message) is dict and len(message) == 2 \
-                and type(message.get("content")) is str and type(message.get("role")) is str
-            running.update(items[i] if plain else key_item(message))
-            if message.get("role") == "assistant":
-                ends.append(running.hexdigest())
+            role = message.get("role")
+            if plain_so_far and type(message) is dict and len(message) == 2 and type(role) is str \
+                    and type(message.get("content")) is str:
+                update(items[i])  # type: ignore[index]
+            else:
+                plain_so_far = False
+                update(key_item(message))
+            if role == "assistant":
+                digest = running.hexdigest()
+                ends.append(digest)
+                if plain_so_far:
+                    self.guard_digests[i + 1] = digest
         self.candidates = [HISTORY_PREFIX + d for d in reversed(ends[-max_candidates:])] if max_candidates > 0 else []
         self._state = running
+        self._plain = plain_so_far
 
     def after_answer(self, answer: str) -> str:
         """The key of the history D holds once it has answered ``answer`` to these messages."""
+        return HISTORY_PREFIX + self.after_answer_digest(answer)[0]
+
+    def after_answer_digest(self, answer: str) -> tuple[str, bool]:
+        """The digest behind :meth:`after_answer`, and whether it is also the guard's digest of the
+        held sequence (every message plain: the key's normal form is the canonical string)."""
         running = self._state.copy()
         running.update(key_item({"role": "assistant", "content": answer}))
-        return HISTORY_PREFIX + running.hexdigest()
+        return running.hexdigest(), self._plain
 
 
 def _text_bytes(text: Any, start: int, end: int) -> bytes:

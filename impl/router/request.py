@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from impl.policy import ItemsPrompt, PromptView, canonical_messages, sequence_digest
+from impl.policy.continuation import KnownPrefixes
 from impl.policy.history_key import (DEFAULT_MAX_CANDIDATES, HistoryKeys, PrefixAnchors, text_anchors,
                                      token_anchors)
 from impl.policy.text_prompt import TextPrompt
@@ -99,6 +100,10 @@ class TurnRequest:
     def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
         """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
         if self.prompt_kind == "chat":
+            if isinstance(self._history, HistoryKeys):
+                digest, is_guard_digest = self._history.after_answer_digest(answer)
+                if is_guard_digest:  # the history keys' pass already hashed exactly these items
+                    return self.view.length + 1, digest
             items = list(self.view.items) + canonical_messages([{"role": "assistant", "content": answer}])
             return len(items), sequence_digest(items)
         if self.prompt_kind == "text":
@@ -250,8 +255,11 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
     if history_lookups <= 0:
         return turn
     if kind == "chat":
-        history: HistoryKeys | PrefixAnchors = HistoryKeys(body["messages"], history_lookups, view.items)
-        turn.history_candidates = tuple(history.candidates)
+        keys = HistoryKeys(body["messages"], history_lookups, view.items)
+        turn.history_candidates = tuple(keys.candidates)
+        if keys.guard_digests:
+            turn.view = KnownPrefixes(view.items, keys.guard_digests)
+        history: HistoryKeys | PrefixAnchors = keys
     else:
         anchors = _TEXT_ANCHORS if kind == "text" else _TOKEN_ANCHORS
         if anchors.max_candidates != history_lookups:

@@ -81,3 +81,21 @@ def test_token_anchors_reach_and_differ(held, appended):
     if len(held) >= 16:
         changed = [held[0] ^ 1] + held[1:]
         assert anchors.stored(changed) != anchors.stored(held)
+
+
+@given(messages, texts)
+def test_the_known_guard_digests_are_the_guards_own(history, answer):
+    items = canonical_messages(history)
+    keys = HistoryKeys(history, items=items)
+    for n, digest in keys.guard_digests.items():
+        assert digest == sequence_digest(items[:n])
+    digest, is_guard = keys.after_answer_digest(answer)
+    assert is_guard and digest == sequence_digest(items + canonical_messages([{"role": "assistant", "content": answer}]))
+
+
+def test_a_message_with_more_keys_ends_the_known_digests():
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+               {"role": "user", "content": "q2", "name": "bob"}, {"role": "assistant", "content": "a2"}]
+    keys = HistoryKeys(history, items=canonical_messages(history))
+    assert list(keys.guard_digests) == [2]
+    assert keys.after_answer_digest("x")[1] is False
