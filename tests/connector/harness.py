@@ -15,6 +15,7 @@ the worker's results enter it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,9 +101,11 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def model_output(reqs: list[Request], token: int = 5, kv: KVConnectorOutput | None = None) -> ModelRunnerOutput:
     ids = [r.request_id for r in reqs]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-                             pooler_output=None, kv_connector_output=kv)
+    extra = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # 0.32, 0.33; 0.34 dropped it
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[token] for _ in ids], logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv, **extra)
 
 
 def recv_meta(scheduler: Scheduler, so, request: Request):

