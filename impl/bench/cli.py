@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
                    help="synthetic prompt token ids are drawn from [low, high) (default: %(default)s)")
     p.add_argument("--token-id-high", type=int, default=_BENCH_DEFAULTS.token_id_high,
                    help="exclusive upper bound; at most the model's vocabulary size (default: %(default)s)")
+    p.add_argument("--run-id", default=None,
+                   help="prefix of every conversation id the bench sends, so two runs never reuse each other's KV "
+                        "through the router (default: a fresh random one per run; give one to repeat a run's ids)")
     p.add_argument("--num-clients", type=int, default=None,
                    help="vLLM's --num-clients, with --vllm-multi-turn-config (default: the config's num_clients, "
                         "else 1); other workloads use --concurrency")
@@ -85,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
              if value is not None}
     config = BenchConfig(url=args.url, mode=args.mode, model=args.model, **given,
                          seed=seed, api_key=os.environ.get(args.api_key_env), token_id_low=args.token_id_low,
-                         token_id_high=args.token_id_high)
+                         token_id_high=args.token_id_high,
+                         run_id=args.run_id if args.run_id is not None else os.urandom(4).hex())
+    print(f"bench run {config.run_id}: conversation ids are sent as {config.wire_id('<id>')}")
     if workload.get("kind") == VLLM_MULTI_TURN:
         from impl.bench.vllm_clients import run_vllm_bench
         from sim.bench_clients import config_from_workload

@@ -77,7 +77,7 @@ async def _turn(session: aiohttp.ClientSession, config: BenchConfig, model: str,
     server's sampling defaults, as vLLM's multi-turn benchmark asks (the answer may end early at EOS)."""
     sampling = ({"min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0} if exact_length else {})
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling, "stream": True,
-            "return_token_ids": True, "conversation_id": conversation_id, **config.extra_body}
+            "return_token_ids": True, "conversation_id": config.wire_id(conversation_id), **config.extra_body}
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
     ttft = float("nan")

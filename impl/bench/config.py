@@ -22,6 +22,14 @@ class BenchConfig:
     timeout_s: float = 300.0
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Prefixed to every conversation id sent (records keep the workload's own ids). The workload names
+    # its conversations alike in every run, so without it a second run's first turns would be offered the
+    # first run's KV (correct KV, but an inflated ON measurement). "" = a fresh random one per run.
+    run_id: str = ""
+
+    def wire_id(self, conversation_id: str) -> str:
+        """The conversation id as sent: scoped by this run."""
+        return f"{self.run_id}/{conversation_id}" if self.run_id else conversation_id
 
     def __post_init__(self) -> None:
         if self.mode not in ("on", "off"):

@@ -163,3 +163,22 @@ def test_the_plain_pools_flags_are_refused_with_vllms_client_loop(flag, value):
                                       flag, value])
     with pytest.raises(ValueError, match=f"{flag} does not apply to vLLM's client loop"):
         plan_from_args(args)
+
+
+@pytest.mark.parametrize("run_ids", [("run-a", "run-b"), ("same", "same")])
+async def test_two_runs_with_their_own_run_ids_never_reuse_each_other(tmp_path, run_ids):
+    """vLLM's benchmark names its conversations alike in every run; the bench scopes them by run. With one
+    run id repeated, the second run's first turns find the first run's entries (refused by the guard here,
+    since the fake D's answers differ; offered, on a real deployment, when the histories agree)."""
+    path = _small_config(tmp_path, conversations=2)
+    workload = {"kind": "vllm_multi_turn", "path": str(path), "max_active_conversations": 2, "early_stop": False}
+    conversations = load_workload(workload, 3)
+    async with Deployment(style="final_chunk", chunks=4) as dep:
+        for run_id in run_ids:
+            config = BenchConfig(url=dep.url, mode="on", seed=3, run_id=run_id)
+            records = await run_vllm_bench(config, conversations, config_from_workload(workload), num_clients=1)
+            assert all(r.ok for r in records)
+        misses = dep.router.metrics.reuse_misses
+        # every first turn is "unknown" to the store only if no earlier run left an entry under its id
+        first_turns_unknown = misses.get("unknown")
+        assert first_turns_unknown == (2 if run_ids[0] != run_ids[1] else 1) * len(conversations)
