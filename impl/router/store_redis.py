@@ -185,19 +185,20 @@ end
 return {'stored', purged, redis.call('ZCARD', pfx .. 'lru'), tostring(v), evicted}
 """
 
-# ARGV: member, expected version ('' = any), max_entries -> 1 if an entry was removed
+# ARGV: member, expected version ('' = any), max_entries, why it leaves ('' = forgotten: no reason kept)
+#   -> 1 if an entry was removed
 _FORGET = _COMMON + r"""
-local m, expect, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local m, expect, max, why = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local k = pfx .. 'e:' .. m
 if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then return 0 end
 local present = redis.call('EXISTS', k)
 remove(m, false, max)
-forget_gone(m)
+if why ~= '' and present == 1 then remember_gone(m, why, max) else forget_gone(m) end
 return present
 """
 
 _MISS = {b"unknown": MissReason.UNKNOWN, b"expired": MissReason.EXPIRED, b"tenant": MissReason.TENANT,
-         b"evicted": MissReason.EVICTED}
+         b"evicted": MissReason.EVICTED, b"taken": MissReason.TAKEN}
 _ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(ConversationEntry))
 _SHARED_TIME_FIELDS = ("expires_at", "stored_at")  # on the router's clock in memory, wall clock in Redis
 
@@ -425,7 +426,8 @@ class RedisStore:
         if found.entry is None:
             return found
         # only the replica whose delete removed this very version got it; another took it in between
-        if not int(await self._script(self._forget, member(tenant, conversation_id), version, self.max_entries)):
+        if not int(await self._script(self._forget, member(tenant, conversation_id), version, self.max_entries,
+                                      MissReason.TAKEN.value)):
             self.stats.hits -= 1
             return self._miss(MissReason.TAKEN)
         return found
@@ -483,7 +485,7 @@ class RedisStore:
         return await self._write(tenant, conversation_id, entry, now, expect) != b"conflict"
 
     async def forget(self, tenant: str, conversation_id: str, expect: Any = None) -> bool:
-        return bool(await self._script(self._forget, member(tenant, conversation_id), expect or "", self.max_entries))
+        return bool(await self._script(self._forget, member(tenant, conversation_id), expect or "", self.max_entries, ""))
 
     async def get(self, tenant: str, conversation_id: str) -> Versioned | None:
         key = self.prefix.encode() + b"e:" + member(tenant, conversation_id)

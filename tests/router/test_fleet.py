@@ -282,3 +282,30 @@ async def test_another_tenant_gets_nothing_whichever_replica_it_reaches(redis_se
         assert bob.status == 200 and offered(bob) == 0  # bob replays alice's history under her id: no reuse
         again = await fleet.chat(1, messages, "shared-id", headers=alice)
         assert again.status == 200 and offered(again) > 0  # alice, on the other replica, still reuses
+
+
+@pytest.mark.parametrize("style", ["final_chunk", "notify"])
+async def test_without_an_id_turns_alternating_replicas_are_found_by_their_history(redis_server, style):
+    async with Fleet(redis_server.url, style=style) as fleet:
+        fleet.d.notify_delay_s = 0.2 if style == "notify" else 0.0  # the late-notification path too
+        messages, results = [user("history q1")], []
+        for n, i in enumerate([0, 1, 0]):
+            r = await fleet.chat(i, messages)  # no id, no settle: the next turn follows at once
+            assert r.status == 200 and r.done
+            results.append(r)
+            messages = messages + [assistant(r.answer), user(f"history q{n + 2}")]
+        assert [r.headers["X-Bidikv-Reuse-Match"] for r in results] == ["none", "history", "history"]
+        pulls = fleet.p.prefill_requests()
+        assert [b["kv_transfer_params"].get("remote_request_id") for b in pulls[1:]] == list(fleet.d.issued_d_params)[:2]
+
+
+async def test_branches_of_one_history_on_four_replicas_get_one_offer(redis_server):
+    async with Fleet(redis_server.url, n=4) as fleet:
+        r1 = await fleet.chat(0, [user("branch root")])
+        await fleet.settle()
+        branches = [[user("branch root"), assistant(r1.answer), user(f"branch {i}")] for i in range(4)]
+        results = await asyncio.gather(*(fleet.chat(i, b) for i, b in enumerate(branches)))
+        assert all(r.status == 200 and r.done for r in results)
+        assert sum(offered(r) > 0 for r in results) == 1
+        # the others were told why: taken (in the same instant, or by the reason the store keeps)
+        assert sum(fleet.router(i).metrics.reuse_misses.get("taken") for i in range(4)) == 3
