@@ -128,6 +128,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             "\"filetype\": \"generate_conversations\"), read as is: the same conversations as "
                             "`benchmark_serving_multi_turn.py --input-file JSON`, sent by its client loop (--num-clients, "
                             "--max-active-conversations, early stop); implies --workload vllm_multi_turn")
+    from sim.workload.chat_template import DEFAULT_TEMPLATE, TEMPLATE_FAMILIES
+
+    group.add_argument("--chat-template", dest="vllm_chat_template", default=None, metavar="FAMILY",
+                       help="the tokens the server's chat template adds around the benchmark's messages: "
+                            f"{', '.join(TEMPLATE_FAMILIES)}, or PER_MESSAGE,SYSTEM,GENERATION as three integers "
+                            f"(default: {DEFAULT_TEMPLATE}; sim/workload/chat_template.py gives each family's "
+                            "counts; needs --vllm-multi-turn-config)")
     defaults = VllmClientConfig()
     for f in dataclasses.fields(VllmClientConfig):
         default = getattr(defaults, f.name)
@@ -220,6 +227,12 @@ def workload_from_args(base: dict, args: argparse.Namespace) -> dict:
         if args.conversations < 1:
             raise ValueError(f"--conversations must be >= 1, got {args.conversations}")
         workload["num_conversations"] = args.conversations
+    template = getattr(args, "vllm_chat_template", None)
+    if template is not None:
+        if workload.get("kind") != "vllm_multi_turn":
+            raise ValueError("--chat-template applies to vLLM's benchmark config: it needs --vllm-multi-turn-config "
+                             "(or a [workload] with kind = \"vllm_multi_turn\")")
+        workload["chat_template"] = template
     for key, value in vars(args).items():
         if key.startswith("vllm__") and value is not None:
             if workload.get("kind") != "vllm_multi_turn":

@@ -105,13 +105,17 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
     if kind == VLLM_MULTI_TURN:
         from sim.bench_clients import CONFIG_KEYS, config_from_workload
 
+        from sim.workload.chat_template import DEFAULT_TEMPLATE, parse_template
+
         for key in spec:
-            if key not in ("kind", "path", *CONFIG_KEYS):
+            if key not in ("kind", "path", "chat_template", *CONFIG_KEYS):
                 raise ValueError(f"workload: unknown key {key!r} for kind {VLLM_MULTI_TURN!r} "
-                                 f"(allowed: kind, path, {', '.join(CONFIG_KEYS)}; the rest is in the JSON file)")
-        config_from_workload(spec)  # the client flags, checked before any work
+                                 f"(allowed: kind, path, chat_template, {', '.join(CONFIG_KEYS)}; the rest is in "
+                                 "the JSON file)")
+        config_from_workload({k: v for k, v in spec.items() if k != "chat_template"})  # the client flags, checked first
+        template = parse_template(spec.get("chat_template", DEFAULT_TEMPLATE), "workload.chat_template")
         parsed = vllm_multi_turn.load_config(_trace_path(spec, "workload"))
-        return vllm_multi_turn.generate(parsed, stream(seed, "workload"))
+        return vllm_multi_turn.generate(parsed, stream(seed, "workload"), template)
     raise ValueError(f"workload.kind: unknown workload kind {kind!r} (one of: {', '.join(WORKLOAD_KINDS)})")
 
 

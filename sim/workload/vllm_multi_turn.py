@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 from sim.workload.distributions import (Constant, Distribution, LogNormal, Poisson, UniformInt, Zipf,
                                         split_kind)
+from sim.workload.chat_template import DEFAULT_TEMPLATE, TEMPLATE_FAMILIES, ChatTemplateOverhead
 from sim.workload.model import Conversation, Turn
 
 FILETYPE = "generate_conversations"
@@ -279,8 +280,10 @@ def requests_for_messages(messages: int) -> int:
     return (messages + messages % 2) // 2
 
 
-def generate(config: VllmMultiTurnConfig, rng: random.Random) -> list[Conversation]:
-    """The conversations vLLM's generator would build, as token counts, drawn in its order."""
+def generate(config: VllmMultiTurnConfig, rng: random.Random,
+             template: ChatTemplateOverhead = TEMPLATE_FAMILIES[DEFAULT_TEMPLATE]) -> list[Conversation]:
+    """The conversations vLLM's generator would build, as token counts, drawn in its order; prompts
+    include the chat template's tokens (:mod:`sim.workload.chat_template`)."""
     count = config.num_conversations
     message_counts = config.num_turns.sample_batch(count, rng)
     prefixes = config.prefix_num_tokens.sample_batch(count, rng)
@@ -296,10 +299,13 @@ def generate(config: VllmMultiTurnConfig, rng: random.Random) -> list[Conversati
             if request:
                 context += max(user[2 * request], 1)
             output = max(answer[2 * request + 1], 1)
-            turns.append(Turn(prompt_tokens=context, output_tokens=output))
+            turns.append(Turn(prompt_tokens=template.prompt_tokens(context, 2 * request + 1), output_tokens=output))
             context += output
+        # what every conversation's prompt starts with: the template's system part, then the common text
+        # (after the first message's header)
+        shared = template.system + (template.per_message + common if common else 0)
         out.append(Conversation(conversation_id=f"CONV_ID_{index}", start_s=0.0, turns=tuple(turns),
-                                shared_prefix_tokens=common))
+                                shared_prefix_tokens=shared))
     return out
 
 

@@ -48,6 +48,15 @@ def _post(url: str, body: dict[str, Any], timeout: float, api_key: str | None = 
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def chat_usage(base_url: str, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 120.0,
+               **extra: Any) -> tuple[str, int]:
+    """One non-streamed chat turn: the answer and the server's ``usage.prompt_tokens``."""
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "stream": False, **extra}
+    with _post(base_url + "/v1/chat/completions", body, timeout) as resp:
+        obj = json.loads(resp.read())
+    return obj["choices"][0]["message"]["content"] or "", int(obj["usage"]["prompt_tokens"])
+
+
 def chat(base_url: str, messages: list[dict[str, Any]], max_tokens: int = 48, stream: bool = True,
          timeout: float = 180.0, api_key: str | None = None, **extra: Any) -> TurnResult:
     """One chat turn against ``base_url`` (a router or a plain vLLM server)."""

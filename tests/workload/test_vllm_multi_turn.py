@@ -18,6 +18,8 @@ import statistics
 
 import numpy as np
 import pytest
+
+from sim.workload.chat_template import TEMPLATE_FAMILIES, ChatTemplateOverhead, parse_template
 from scipy import stats
 
 from sim.workload import load_workload
@@ -46,7 +48,7 @@ def _example(**changes) -> dict:
 def _many(data: dict, count: int, seed: int = 0):
     data = copy.deepcopy(data)
     data["num_conversations"] = count
-    return generate(parse_config(data), random.Random(seed))
+    return generate(parse_config(data), random.Random(seed), TEMPLATE_FAMILIES["none"])  # content tokens only
 
 
 def test_the_published_example_is_read_as_is():
@@ -212,7 +214,7 @@ def test_missing_distribution_fields_are_named():
         parse_config(data)
     data = _example()
     del data["prompt_input"]["common_prefix_num_tokens"]  # optional in vLLM: no common prefix
-    assert {c.shared_prefix_tokens for c in generate(parse_config(data), random.Random(0))} == {0}
+    assert {c.shared_prefix_tokens for c in generate(parse_config(data), random.Random(0), TEMPLATE_FAMILIES["none"])} == {0}
 
 
 def test_file_errors_name_the_file(tmp_path):
@@ -251,3 +253,25 @@ def test_a_max_of_zero_is_no_clip():
     conversations = _many(_example(prompt_output__num_tokens={"distribution": "poisson", "alpha": 50, "max": 0}), 300)
     answers = [t.output_tokens for c in conversations for t in c.turns]
     assert statistics.fmean(answers) == pytest.approx(50, abs=1.5)
+
+
+def test_the_chat_template_adds_its_tokens_to_every_prompt_and_keeps_them_prefix_consistent():
+    data = json.loads(EXAMPLE.read_text())
+    plain = generate(parse_config(data), random.Random(5), TEMPLATE_FAMILIES["none"])
+    llama = generate(parse_config(data), random.Random(5), TEMPLATE_FAMILIES["llama3"])
+    for p, t in zip(plain, llama):
+        for k, (a, b) in enumerate(zip(p.turns, t.turns)):
+            assert b.prompt_tokens == a.prompt_tokens + 26 + 5 * (2 * k + 1) + 4 and b.output_tokens == a.output_tokens
+            if k:  # the new prompt still starts with the previous prompt and its answer
+                assert b.prompt_tokens > t.turns[k - 1].prompt_tokens + t.turns[k - 1].output_tokens
+        assert t.shared_prefix_tokens == 26 + (5 + p.shared_prefix_tokens if p.shared_prefix_tokens else 0)
+
+
+def test_a_template_is_a_family_or_three_integers():
+    assert parse_template("chatml") == ChatTemplateOverhead(5, 0, 3)
+    assert parse_template("7,30,4") == ChatTemplateOverhead(7, 30, 4)
+    for bad in ("llama2", "1,2", "a,b,c", 5, None, "1,-2,3"):
+        with pytest.raises(ValueError, match="chat_template"):
+            parse_template(bad)
+    with pytest.raises(ValueError, match="workload.chat_template"):
+        load_workload({"kind": "vllm_multi_turn", "path": str(EXAMPLE), "chat_template": "mistral"}, 0)
