@@ -42,8 +42,9 @@ HEAD, BUSY, IDLE, CLOSING = 0, 1, 2, 3
 def _canned(status: int, reason: str, message: str) -> bytes:
     body = json.dumps({"error": {"message": message, "type": "timeout" if status == 408 else "service_unavailable",
                                  "param": None, "code": status}}).encode()
+    retry = "Retry-After: 1\r\n" if status == 503 else ""  # a connection slot frees as soon as any client leaves
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body
+            f"{retry}Connection: close\r\n\r\n").encode() + body
 
 
 class BodyTimeout(Exception):

@@ -83,8 +83,15 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
+# Retry-After on the router's own 429/503s: an instance that left rotation is probed again every
+# health_interval_s (2 s by default), so a retry sooner than that finds the same state. The openai SDKs
+# honour the header when they retry (their max_retries, 2 by default).
+RETRY_AFTER_S = "2"
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(message, kind, status, param), headers=_JSON_HEADERS)
+    headers = _JSON_HEADERS if status not in (429, 503) else {**_JSON_HEADERS, "Retry-After": RETRY_AFTER_S}
+    return web.Response(status=status, body=error_body(message, kind, status, param), headers=headers)
 
 
 def unauthenticated_response() -> web.Response:
