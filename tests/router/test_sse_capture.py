@@ -43,7 +43,9 @@ def cut(data: bytes, points: list[int]) -> list[bytes]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(texts=st.lists(st.text(max_size=12), min_size=1, max_size=6), chat=st.booleans(),
+# answers that spell "remote_" themselves are re-encoded on purpose (withheld like KV locations): not this test's case
+@given(texts=st.lists(st.text(max_size=12).filter(lambda t: "remote" not in t.lower()), min_size=1, max_size=6),
+       chat=st.booleans(),
        newline=st.sampled_from([b"\n", b"\r\n", b"\r"]), points=st.lists(st.integers(0, 10_000), max_size=12),
        with_params=st.booleans())
 def test_any_chunking_yields_the_same_events_and_capture(texts, chat, newline, points, with_params):
