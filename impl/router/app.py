@@ -60,6 +60,7 @@ from impl.router.request import (Endpoint, RequestError, check_context_budget, p
 from impl.router.stores import MemoryStore, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
+from impl.router.trace_writer import TraceLineage, TraceWriter, TurnTracer
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
 
 # notification bodies being read at once, before their token is checked: 16 at the endpoint's limit
@@ -109,6 +110,22 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.prober: HealthProber | None = None
         self.proxy: TurnProxy | None = None
+        self.trace: TraceWriter | None = None
+        self.lineage: TraceLineage | None = None
+        if config.trace_out:
+            salt_text = environ.get(config.trace_salt_env)
+            if not salt_text:
+                log.warning("trace: $%s is not set: a random salt for this process (its files cannot be joined "
+                            "with other replicas' or a restart's)", config.trace_salt_env)
+            salt = salt_text.encode() if salt_text else os.urandom(32)
+            self.trace = TraceWriter(config.trace_out, salt, sample_rate=config.trace_sample_rate,
+                                     max_file_bytes=config.trace_max_file_bytes, rotate_s=config.trace_rotate_s,
+                                     max_files=config.trace_max_files, router_name=f"{socket.gethostname()}:{config.port}")
+            self.lineage = TraceLineage(salt, config.max_conversations)
+            trace = self.trace
+            self.metrics.trace_lines.read = lambda: {("written",): float(trace.written),
+                                                     ("dropped_queue_full",): float(trace.dropped_full),
+                                                     ("dropped_write_error",): float(trace.dropped_error)}
         m = self.metrics
         m.store_entries.read = lambda: {(): float(len(self.conversations))}
         m.store_bytes.read = lambda: {(): float(self.store.bytes if self.store is not None else 0)}
@@ -128,6 +145,8 @@ class Router:
         self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.conversations, self.hub, self.metrics,
                                self.upstream_headers, lambda: self.notify_url)
         self.proxy.renew_for_read = self.heartbeats.renew_for_read
+        if self.trace is not None:
+            self.proxy.tracer = TurnTracer(self.trace, self.lineage, self.metrics, self.public_names)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()
@@ -181,6 +200,8 @@ class Router:
         if self.session is not None:
             await self.session.close()
         await self.conversations.close()
+        if self.trace is not None:
+            self.trace.close()
 
     async def name_upstreams(self, request: web.Request, response: web.StreamResponse) -> None:
         """Internal URLs out of the turn's headers: the proxy names instances by URL, clients get names."""

@@ -40,6 +40,9 @@ class TurnCapture:
     malformed: bool = False  # an event or body that is not a JSON object
     unreconstructable: str | None = None
     events: int = 0
+    content_pieces: int = 0  # non-empty streamed content/text pieces of choice 0 (one per token as vLLM streams)
+    completion_tokens: int | None = None  # D's usage, when it sent one
+    first_token_s: float | None = None  # since the turn arrived (set by the proxy)
     _pending: list[bytes | dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -102,6 +105,8 @@ class TurnCapture:
                 self.error = _error_message(obj)
                 continue
             self._on_choices(obj.get("choices"), streaming=True)
+            if "usage" in obj:
+                self._on_usage(obj["usage"])
         return self
 
     # -- non-streaming ---------------------------------------------------------------------------
@@ -114,11 +119,26 @@ class TurnCapture:
             self.error = _error_message(obj)
             return obj
         self._on_choices(obj.get("choices"), streaming=False)
+        self._on_usage(obj.get("usage"))
         params = obj.pop("kv_transfer_params", None)
         if isinstance(params, dict) and params:
             self.kv_params = params
         self.done = True
         return obj
+
+    def _on_usage(self, usage: Any) -> None:
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if type(tokens) is int and tokens >= 0:
+            self.completion_tokens = tokens
+
+    @property
+    def output_tokens(self) -> int | None:
+        """Tokens D generated: its usage, else the token ids it returned, else the pieces it streamed."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        if self.output_token_ids is not None:
+            return len(self.output_token_ids)
+        return self.content_pieces or None
 
     def _on_choices(self, choices: Any, streaming: bool) -> None:
         if choices is None:
@@ -139,6 +159,7 @@ class TurnCapture:
                     content = part.get("content")
                     if isinstance(content, str):
                         self.answer_parts.append(content)
+                        self.content_pieces += streaming and content != ""
                     elif content is not None:
                         self.unreconstructable = "non-text content"
                     if len(part) > 2 or not part.keys() <= _PLAIN_MESSAGE_KEYS:  # rare: look closer
@@ -149,6 +170,7 @@ class TurnCapture:
                 text = choice.get("text")
                 if isinstance(text, str):
                     self.answer_parts.append(text)
+                    self.content_pieces += streaming and text != ""
             token_ids = choice.get("token_ids")
             if isinstance(token_ids, list):
                 if self.output_token_ids is None:

@@ -59,6 +59,15 @@ class RouterConfig:
     # A request without a conversation id is looked up by the history it resends (impl.policy.history_key):
     # at most this many keys, the most recent first (0: only requests that name their conversation reuse)
     history_lookups: int = 8
+    # The per-turn trace (impl.trace.format; impl.router.trace_writer): off unless a directory is given.
+    # Names are keyed hashes under the salt in $trace_salt_env (one salt for a fleet joins its replicas'
+    # files); 64 MiB x 24 files bounds the disk (~300k turns a file at ~220 bytes a line)
+    trace_out: str | None = None
+    trace_salt_env: str = "BIDIKV_TRACE_SALT"
+    trace_sample_rate: float = 1.0
+    trace_max_file_bytes: int = 64 * 1024 * 1024
+    trace_rotate_s: float = 3600.0
+    trace_max_files: int = 24
     # 0: learnt from the instances' /v1/models (vLLM reports each model's max_model_len); a request
     # asking for more is refused here instead of reaching P and D
     max_model_len: int = 0
@@ -107,6 +116,12 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if not 0 <= self.history_lookups <= 64:  # each is a store read on the turn's path
             raise ValueError(f"history_lookups must be in 0..64, got {self.history_lookups}")
+        if not (0 < self.trace_sample_rate <= 1):
+            raise ValueError(f"trace_sample_rate must be in (0, 1], got {self.trace_sample_rate!r}")
+        if self.trace_max_file_bytes < 4096 or self.trace_max_files < 1:
+            raise ValueError("trace_max_file_bytes must be >= 4096 and trace_max_files >= 1")
+        if not (self.trace_rotate_s > 0 and math.isfinite(self.trace_rotate_s)):
+            raise ValueError(f"trace_rotate_s must be a finite number > 0, got {self.trace_rotate_s!r}")
         if self.max_client_connections < 1:
             raise ValueError(f"max_client_connections must be >= 1, got {self.max_client_connections}")
         for name in ("client_header_timeout_s", "client_body_timeout_s", "client_idle_timeout_s", "client_write_timeout_s"):
@@ -168,6 +183,14 @@ FLAG_HELP: dict[str, str] = {
     "max_client_connections": "client connections served at once; one more is answered 503 and closed (the soft "
                               "file-descriptor limit is raised to fit; ~7 KB of RSS per idle connection)",
     "max_conversation_id_len": "longest conversation_id accepted",
+    "trace_out": "write the per-turn trace (one JSON line per turn, no text, no ids: impl/trace/format.py) into "
+                 "this directory; off by default",
+    "trace_salt_env": "environment variable holding the salt of the trace's keyed hashes (unset: a random one per "
+                      "process, so files of other replicas or restarts cannot be joined)",
+    "trace_sample_rate": "share of conversations traced, all of a conversation's turns or none",
+    "trace_max_file_bytes": "a trace file is rotated past this size",
+    "trace_rotate_s": "a trace file is rotated after this long",
+    "trace_max_files": "trace files kept (the oldest is deleted): the disk bound with --trace-max-file-bytes",
     "history_lookups": "most store keys a request without a conversation id is looked up under, by the history it "
                        "resends (the prefixes ending at an assistant message, most recent first; completions: "
                        "anchors every 256 characters / 64 tokens); 0 = reuse only for requests that name their conversation",

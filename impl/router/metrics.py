@@ -151,6 +151,11 @@ class RouterMetrics:
                                            "history: the messages or prompt the client resent).", ("match",)))
         self.reuse_matches = r.add(Counter(p + "reuse_matches_total", "Turns sent to P with a previous turn's D params, "
                                            "by how that turn was found (id, prompt_cache_key, history).", ("match",)))
+        self.trace_lines = r.add(Gauge(p + "trace_lines_total", "Per-turn trace lines (--trace-out), by outcome: "
+                                       "written, dropped_queue_full (the writer was behind), dropped_write_error "
+                                       "(disk full, directory gone).", ("outcome",), kind="counter"))
+        self.trace_unsampled = r.add(Counter(p + "trace_unsampled_turns_total", "Turns of conversations outside "
+                                             "--trace-sample-rate."))
         self.give_back_renewals = r.add(Counter(p + "give_back_renewals_total", "Renewals asked of a give-back D "
                                                 "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
                                                 "read until its expiry; given_back; expired; unknown; no_listener; "

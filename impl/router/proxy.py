@@ -45,6 +45,7 @@ from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest, shown_id
 from impl.router.sse import SSEError, SSESplitter, format_event
+from impl.router.trace_writer import TurnTracer
 from impl.router.stores import RouterStore, StoreUnavailable
 from impl.router.upstream_http import (UpstreamClient, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
                                        UpstreamResponse)
@@ -142,6 +143,7 @@ class PrefillResult:
     upstream: Upstream
     kv_params: dict[str, Any] | None
     cached_tokens: int | None = None  # P's usage.prompt_tokens_details.cached_tokens (local + pulled), if reported
+    prompt_tokens: int | None = None  # P's usage.prompt_tokens
     reuse_report: dict[str, Any] | None = None  # what P offered / verified / pulled (our connector on P)
 
 
@@ -169,21 +171,26 @@ class TurnProxy:
         self.recorder = TurnRecorder(config, store, hub, metrics, clock)
         # give-back D's renewal before P reads (impl.router.heartbeat.HeartbeatRelay.renew_for_read; set by the app)
         self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
+        self.tracer: TurnTracer | None = None  # --trace-out (set by the app)
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
-        offered, given_back, key = await self._lookup(turn, tenant)
+        offered, given_back, key, miss = await self._lookup(turn, tenant)
         request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
         headers = dict(self.upstream_headers)
         headers["X-Request-Id"] = request_id
         shared = _SharedBody(turn.body)
+        offered_tokens = offered.num_tokens if offered is not None else 0
 
         try:
             prefill = await self._prefill(turn, shared, offered, headers, key)
-        except UpstreamFailure as e:
-            return e.response()
-        except _PassThrough as e:
-            return e.response
+        except (UpstreamFailure, _PassThrough) as e:
+            failed = e.response() if isinstance(e, UpstreamFailure) else e.response
+            if self.tracer is not None:
+                self.tracer.record(turn=turn, tenant=tenant, request_id=request_id, arrival=_wall(t0), status=failed.status,
+                                   stored=None, offered=offered_tokens, miss=miss, prompt_tokens=None, cached_tokens=None,
+                                   report=None, capture=None, prefill=None, decode=None, finished_after_s=None)
+            return failed
 
         storable = turn.match != "none" and turn.view is not None
         d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
@@ -233,17 +240,27 @@ class TurnProxy:
             stored_key = (tenant, stored)
             handed_off = await self.recorder.finish_turn(stored_key, turn, capture, upstream, request_id if token else None)
 
+        response: web.StreamResponse | None = None
+        capture = upstream = None
         try:
             if turn.stream:
                 response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info, record)
             else:
-                response, capture, upstream = await self._decode_json(turn, payload, headers, info)
+                response, capture, upstream = await self._decode_json(turn, payload, headers, info, t0)
             if not recorded and capture is not None and upstream is not None:
                 await record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
             return response
         finally:
             if token is not None and not handed_off:
                 self.hub.close(request_id)
+            if self.tracer is not None:
+                self.tracer.record(turn=turn, tenant=tenant, request_id=request_id, arrival=_wall(t0),
+                                   status=response.status if response is not None else 499,
+                                   stored=stored_key[1] if stored_key is not None else None, offered=offered_tokens,
+                                   miss=miss, prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
+                                   report=prefill.reuse_report, capture=capture, prefill=prefill.upstream.name,
+                                   decode=upstream.name if upstream is not None else None,
+                                   finished_after_s=self.clock() - t0)
             # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
             turn_log.info("turn %s match=%s key=%s offered=%d P=%s next=%s", request_id, info["X-Bidikv-Reuse-Match"],
                           shown_id(key[1]) if key else "-", offered.num_tokens if offered is not None else 0,
@@ -251,16 +268,14 @@ class TurnProxy:
 
     # -- 1. lookup --------------------------------------------------------------------------------
     async def _lookup(self, turn: TurnRequest, tenant: str
-                      ) -> tuple[ConversationEntry | None, bool, tuple[str, str] | None]:
-        """The entry to offer P (or None), whether D gave it back under pressure, and the key the
-        turn was looked up under (the one that hit, else the first tried; None if none was)."""
+                      ) -> tuple[ConversationEntry | None, bool, tuple[str, str] | None, str | None]:
+        """The entry to offer P (or None), whether D gave it back under pressure, the key the turn was
+        looked up under (the one that hit, else the first tried; None if none was) and why it missed."""
         if turn.view is None:
-            self.metrics.reuse_misses.inc("unsupported")
-            return None, False, None
+            return self._missed("unsupported", None)
         first = turn.store_id
         if first is None:
-            self.metrics.reuse_misses.inc("no_history" if turn.match == "history" else "no_conversation_id")
-            return None, False, None
+            return self._missed("no_history" if turn.match == "history" else "no_conversation_id", None)
         self.metrics.reuse_lookups.inc(turn.match)
         key = (tenant, first)
         await self.recorder.wait_pending(key)  # the previous turn may still await D's notification
@@ -280,11 +295,9 @@ class TurnProxy:
                 if miss is None:  # the most recent candidate's reason is the one that says why
                     miss = found.miss.value if found.miss else "unknown"
         except StoreUnavailable:  # Redis down: the turn is served, without reuse (the store logged it once)
-            self.metrics.reuse_misses.inc("store_unavailable")
-            return None, False, key
+            return self._missed("store_unavailable", key)
         if entry is None:
-            self.metrics.reuse_misses.inc(miss or "unknown")
-            return None, False, key
+            return self._missed(miss or "unknown", key)
         if entry.kv_params.get(RENEW_BEFORE_READ_KEY) and self.renew_for_read is not None:
             # a give-back D publishes short expiries: renewed now, P gets a fresh one (impl.policy.give_back)
             outcome, expiry = await self.renew_for_read(entry)
@@ -292,12 +305,18 @@ class TurnProxy:
             if expiry is not None:
                 entry = dataclasses.replace(entry, kv_params={**entry.kv_params, "remote_blocks_expiry_time": expiry})
             elif outcome in _NOT_HELD:
-                self.metrics.reuse_misses.inc("given_back" if outcome == "given_back" else "expired")
-                return None, outcome == "given_back", key
+                reason = "given_back" if outcome == "given_back" else "expired"
+                self.metrics.reuse_misses.inc(reason)
+                return None, outcome == "given_back", key, reason
         self.metrics.reuse_hits.inc()
         self.metrics.reuse_matches.inc(turn.match)
         self.metrics.tokens_reused.inc(amount=entry.num_tokens)
-        return entry, False, key
+        return entry, False, key, None
+
+    def _missed(self, reason: str, key: tuple[str, str] | None
+                ) -> tuple[None, bool, tuple[str, str] | None, str]:
+        self.metrics.reuse_misses.inc(reason)
+        return None, False, key, reason
 
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
@@ -366,7 +385,8 @@ class TurnProxy:
                         kv["remote_host"] = upstream.host
                 if key is not None:
                     self._remember_affinity(key, upstream.name, turn.estimated_tokens)
-                return PrefillResult(upstream, kv, _cached_tokens(obj), report if reuse else None)
+                return PrefillResult(upstream, kv, cached_tokens=_cached_tokens(obj),
+                                     reuse_report=report if reuse else None, prompt_tokens=_prompt_tokens(obj))
             if 400 <= status < 500 and status != 408:
                 raise _PassThrough(_passthrough_error(status, raw, params))
             self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
@@ -459,8 +479,8 @@ class TurnProxy:
             self.metrics.upstream_errors.inc(upstream.name, "decode", f"http_{resp.status}")
             last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
 
-    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str], info: dict[str, str]
-                           ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str], info: dict[str, str],
+                           t0: float) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
             resp, upstream = await self._open_decode(turn, payload, headers)
         except UpstreamFailure as e:
@@ -476,6 +496,7 @@ class TurnProxy:
         finally:
             resp.release()
         capture = TurnCapture(chat=turn.endpoint == "chat")
+        capture.first_token_s = self.clock() - t0  # a whole answer: its first token arrives with its last
         try:
             obj = json.loads(raw)
         except ValueError:
@@ -523,7 +544,8 @@ class TurnProxy:
                         parts.append(ev.raw if replacement is None else format_event(replacement))
                     if not first_token_seen and capture.events:
                         first_token_seen = True
-                        self.metrics.ttft.observe(self.clock() - t0)
+                        capture.first_token_s = self.clock() - t0
+                        self.metrics.ttft.observe(capture.first_token_s)
                     data = b"".join(parts) if len(parts) > 1 else parts[0]
                     if resp.complete:
                         final = data  # the loop ends here: goes out with write_eof below
@@ -647,6 +669,17 @@ def _quotes_secrets(raw: bytes, sent: Any) -> bool:
     if isinstance(host, str) and host and port is not None:
         needles.append(f"{host}:{port}")
     return any(n in text for n in needles)
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int | None:
+    usage = body.get("usage")
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if type(value) is int and value >= 0 else None
+
+
+def _wall(t0: float) -> float:
+    """The wall-clock time of the monotonic instant ``t0`` (the trace's arrival times)."""
+    return time.time() - (time.monotonic() - t0)
 
 
 def _cached_tokens(body: dict[str, Any]) -> int | None:

@@ -206,7 +206,9 @@ class FakeVllmUpstream:
         if self.fault == "inject_json":
             choice.update(self.inject)
         out: dict[str, Any] = {"id": "cmpl-d", "object": "chat.completion" if chat else "text_completion",
-                               "model": "fake-model", "choices": [choice]}
+                               "model": "fake-model", "choices": [choice],
+                               "usage": {"prompt_tokens": 100, "completion_tokens": self.chunks,
+                                         "total_tokens": 100 + self.chunks}}
         params = self._d_params(body)
         out["kv_transfer_params"] = params  # 0.32 and 0.33 both put them in non-streamed bodies
         if self.style in ("notify", "both", "conflict", "kept_nothing"):
