@@ -110,7 +110,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", dest="workload_kind", default=None, choices=WORKLOAD_KINDS,
                    help=f"workload generator or preset ({kinds}; default: {describe_spec(defaults.workload)})")
     w.add_argument("--trace", default=None, metavar="PATH",
-                   help="Mooncake JSONL trace (implies --workload mooncake; download: "
+                   help="a trace to replay: what `bidikv router --trace-out` wrote (a file or its directory: "
+                        "--workload router_trace), or a Mooncake JSONL trace (--workload mooncake; download: "
                         "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces)")
     w.add_argument("--conversations", type=number(int), default=None, metavar="N",
                    help="number of conversations (synthetic/agentic; the other workload settings are kept)")
@@ -156,6 +157,10 @@ def describe_spec(spec: dict) -> str:
     kind = spec.get("kind", "synthetic")
     if kind == "mooncake":
         return f"Mooncake trace {spec.get('path', '?')} (its own arrival times)"
+    if kind == "router_trace":
+        return (f"router trace {spec.get('path', '?')} (its own arrival times; not in it, so assumed: no prefix "
+                "shared between conversations, a miss continues faithfully; failed turns and turns without token "
+                "counts left out)")
     if kind == "vllm_multi_turn":
         return f"vLLM multi-turn benchmark config {spec.get('path', '?')}"
     what = {"synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
@@ -183,7 +188,7 @@ def describe_workload(config: SimConfig, conversations: Sequence[Any]) -> dict[s
     text = f"{describe_spec(config.workload)}: {len(conversations):,} conversations, {turns:,} turns"
     if gaps and config.workload.get("kind") != "vllm_multi_turn":  # its client loop sends back to back
         text += (f"; time between turns p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s"
-                 if config.workload.get("kind") == "mooncake" else
+                 if config.workload.get("kind") in ("mooncake", "router_trace") else
                  f"; think time after a reply p50 {percentile(gaps, 50):,.0f} s, p90 {percentile(gaps, 90):,.0f} s")
     if config.workload.get("kind") == "vllm_multi_turn":
         clients = config.num_clients or 1
@@ -216,11 +221,14 @@ def workload_from_args(base: dict, args: argparse.Namespace) -> dict:
     if getattr(args, "vllm_multi_turn_config", None):
         workload = {"kind": "vllm_multi_turn", "path": args.vllm_multi_turn_config}
     elif args.trace:
-        workload = {"kind": "mooncake", "path": args.trace}
+        from sim.workload.router_trace import is_router_trace
+
+        kind = "router_trace" if is_router_trace(args.trace) else "mooncake"  # the router's own trace, or Mooncake's
+        workload = {"kind": kind, "path": args.trace}
     elif args.workload_kind and args.workload_kind != workload.get("kind"):
         workload = {"kind": args.workload_kind}
     if args.conversations is not None:
-        if workload.get("kind", "synthetic") == "mooncake":
+        if workload.get("kind", "synthetic") in ("mooncake", "router_trace"):
             raise ValueError("--conversations does not apply to a trace (its conversations are fixed)")
         if workload.get("kind") == "vllm_multi_turn":
             raise ValueError("--conversations does not apply to a vLLM config (its num_conversations is in the file)")

