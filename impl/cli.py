@@ -16,6 +16,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "sim.cli",  # simulate
     "sim.tune.cli",  # tune
+    "sim.trace_cli",  # trace (router trace <-> Mooncake)
     "calibration.cli",  # calibrate, profile
     "impl.router.cli",  # router
     "impl.bench.cli",  # bench

@@ -83,3 +83,56 @@ async def test_a_recorded_trace_replays_with_the_routers_decisions(tmp_path):
     replayed = {(r.conversation, r.turn): r.reused_tokens > 0 for r in result.records}
     assert len(replayed) == len(recorded) == 15
     assert replayed == recorded
+
+
+def _long_trace(tmp_path) -> str:
+    """Three conversations of three turns, prompts of several 512-token blocks, one divergence."""
+    lines = [HEADER]
+    for c, name in enumerate(("a" * 16, "b" * 16, "c" * 16)):
+        prompt = 1500 + 300 * c
+        for k in range(3):
+            extra = {"offered": prompt - 200, "verified": 1100, "pulled": 1100} if (c == 2 and k == 2) else {}
+            lines.append(turn(t=100.0 + 40 * k + c, conversation=name, turn=k, prompt_tokens=prompt, output_tokens=100,
+                              **extra))
+            prompt += 100 + 250
+    return write(tmp_path / "trace-1.jsonl", *lines)
+
+
+def test_to_mooncake_and_back_keeps_conversations_and_lengths(tmp_path):
+    import random
+
+    from sim.workload.mooncake import load_trace, read_trace
+    from sim.workload.trace_convert import from_mooncake, to_mooncake
+
+    original = load_router_trace(_long_trace(tmp_path))
+    mooncake_path = tmp_path / "mooncake.jsonl"
+    assert to_mooncake(original, mooncake_path) == 9
+    requests = read_trace(mooncake_path)
+    assert all(len(r.hash_ids) * 512 >= r.input_length for r in requests)
+    replayed = load_trace(mooncake_path, random.Random(0))
+    shape = sorted(tuple((t.prompt_tokens, t.output_tokens) for t in c.turns) for c in original)
+    # Mooncake continues a request only from one whose whole prompt it starts with: the diverged turn
+    # comes back as a conversation of its own (its shared blocks still say what it could reuse)
+    split = sorted([s for s in shape if len(s) == 3 and s[0][0] != 2100] + [((2100, 100), (2450, 100)), ((2800, 100),)])
+    assert sorted(tuple((t.prompt_tokens, t.output_tokens) for t in c.turns) for c in replayed) == split
+    # the diverged turn shares only the blocks before the divergence (1,100 tokens: two blocks; with fewer
+    # than two Mooncake's parent search would not link it, a limit of the format)
+    diverged = next(r for r in requests if r.input_length == 1500 + 600 + 2 * 350)
+    parent = next(r for r in requests if r.input_length == 1500 + 600 + 350)
+    assert diverged.hash_ids[:2] == parent.hash_ids[:2] and diverged.hash_ids[2] != parent.hash_ids[2]
+
+    back = tmp_path / "back.jsonl"
+    assert from_mooncake(mooncake_path, back) == 9
+    again = load_router_trace(back)
+    assert sorted(tuple((t.prompt_tokens, t.output_tokens) for t in c.turns) for c in again) == split
+
+
+def test_the_trace_command_converts_and_names_bad_input(tmp_path, capsys):
+    from impl.cli import main
+
+    source = _long_trace(tmp_path)
+    assert main(["trace", "to-mooncake", source, str(tmp_path / "m.jsonl")]) == 0
+    assert "wrote 9 requests" in capsys.readouterr().out
+    bad = write(tmp_path / "trace-bad.jsonl", HEADER, turn(status="ok"))
+    assert main(["trace", "to-mooncake", bad, str(tmp_path / "m2.jsonl")]) != 0
+    assert "trace-bad.jsonl:2" in capsys.readouterr().err
