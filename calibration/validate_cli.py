@@ -21,7 +21,8 @@ def register(subparsers: Any) -> None:
                     "and pulled tokens (expected exact), TTFT and TPOT |error| by prompt bucket and turn index. "
                     "A run's deployment settings come from <run>.deployment.json beside it, or --deployment.")
     p.add_argument("--bench", action="append", required=True, metavar="JSONL",
-                   help="a bench run to replay (repeatable: each is its own deployment)")
+                   help="a bench run to replay (repeatable: each is its own deployment), or a router trace "
+                        "(`bidikv router --trace-out`: a file or its directory)")
     p.add_argument("--fit", action="append", default=None, metavar="JSONL",
                    help="bench runs to fit the profile on (repeatable; default: the --bench runs, i.e. in sample; "
                         "pass other runs for a held-out check)")
@@ -40,6 +41,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output-profile", metavar="JSON", help="write the fitted profile here")
     add_bench_fit_flags(p)
     p.set_defaults(run=run)
+
+
+def read_run(path: str) -> list[Any]:
+    """A bench run's records, or a router trace's turns as bench records (the router saw the same things:
+    arrival, lengths, what it offered, P's cached tokens, TTFT and finish)."""
+    from impl.bench.records import read_jsonl
+    from sim.workload.router_trace import is_router_trace
+
+    if not is_router_trace(path):
+        return read_jsonl(path)
+    from impl.bench.records import BenchRecord
+    from sim.workload.router_trace import read_turns
+
+    turns = read_turns(path)
+    t0 = turns[0].t if turns else 0.0
+    records = []
+    for t in turns:
+        if t.prompt_tokens is None or t.output_tokens is None:
+            continue  # nothing to replay (no usage from vLLM)
+        error = "" if t.status == 200 and t.ttft_s is not None else f"HTTP {t.status}"
+        records.append(BenchRecord(conversation=t.conversation, turn=t.turn, mode="on", prompt_tokens=t.prompt_tokens,
+                                   output_tokens=t.output_tokens, start_s=t.t - t0,
+                                   ttft_s=t.ttft_s if t.ttft_s is not None else math.nan,
+                                   total_s=t.finish_s if t.finish_s is not None else math.nan,
+                                   reuse_offered_tokens=t.offered, prefill_cached_tokens=t.cached_tokens,
+                                   prefill_instance=t.prefill or "", decode_instance=t.decode or "", error=error))
+    return records
 
 
 def ranking(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -74,8 +102,6 @@ def run(args: argparse.Namespace) -> int:
     from calibration.from_bench import fit_from_runs
     from calibration.profile import LatencyProfile
     from calibration.validate import format_summary, validate_run
-    from impl.bench.records import read_jsonl
-
     if args.bucket_tokens < 1:
         raise ValueError("--bucket-tokens must be >= 1")
     out: dict[str, Any] = {}
@@ -88,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         geometry = {(s.block_size, s.kv_bytes_per_token) for s in (_settings(args, f) for f in fit_paths)}
         if len(geometry) != 1:
             raise ValueError(f"the fitted runs disagree on block size / KV bytes per token: {sorted(geometry)}")
-        profile, report = fit_from_runs([read_jsonl(f) for f in fit_paths], LatencyProfile.load(args.base_profile),
+        profile, report = fit_from_runs([read_run(f) for f in fit_paths], LatencyProfile.load(args.base_profile),
                                         name="bench-fit", settings=_settings(args, fit_paths[0]),
                                         max_transfer_bytes_per_s=args.max_transfer_bytes_per_s,
                                         busy_window_s=args.busy_window_s, loss=args.loss)
@@ -102,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     out["runs"] = {}
     for path in args.bench:
         settings = _settings(args, path)
-        summary, comparisons = validate_run(read_jsonl(path), profile, settings, args.bucket_tokens, args.timing)
+        summary, comparisons = validate_run(read_run(path), profile, settings, args.bucket_tokens, args.timing)
         summary["held_out"] = not args.profile and path not in (args.fit or args.bench)
         summary["settings"] = {"kv_recompute_threshold": settings.kv_recompute_threshold,
                                "decoder_kv_blocks_ttl": settings.decoder_kv_blocks_ttl, "block_size": profile.block_size}

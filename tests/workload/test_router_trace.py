@@ -136,3 +136,27 @@ def test_the_trace_command_converts_and_names_bad_input(tmp_path, capsys):
     bad = write(tmp_path / "trace-bad.jsonl", HEADER, turn(status="ok"))
     assert main(["trace", "to-mooncake", bad, str(tmp_path / "m2.jsonl")]) != 0
     assert "trace-bad.jsonl:2" in capsys.readouterr().err
+
+
+async def test_validate_replays_a_router_trace_like_a_bench_run(tmp_path, capsys):
+    from impl.cli import main
+
+    trace_dir = tmp_path / "trace"
+    async with Deployment(trace_out=str(trace_dir)) as dep:
+        for c in range(3):
+            history = [{"role": "user", "content": f"validate {c}"}]
+            for k in range(2):
+                r = await dep.chat(history)
+                await dep.settle()
+                history += [{"role": "assistant", "content": r.answer}, {"role": "user", "content": f"more {k}"}]
+        dep.router.trace.close()
+    deployment = tmp_path / "deployment.json"
+    deployment.write_text(json.dumps({"kv_recompute_threshold": 0, "decoder_kv_blocks_ttl": 480, "block_size": 16,
+                                      "kv_bytes_per_token": 8192}))
+    code = main(["validate", "--bench", str(trace_dir), "--profile", "qwen3-32b@p5en-tp8", "--deployment",
+                 str(deployment), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out)
+    (run,) = report["runs"].values()
+    assert len(run["turns"]) == 6 and run["summary"]["decisions_agree"] == 6
