@@ -42,6 +42,10 @@ class MissReason(enum.Enum):
     TENANT = "tenant"  # the id exists, under another tenant
     EVICTED = "evicted"  # dropped by the LRU bound
     TAKEN = "taken"  # a history entry another turn took first (impl.policy.history_key: single-use)
+    # a shared store's entry this router cannot use: damaged or not a router's (deleted), or written by a
+    # newer router (kept for it) -- impl.router.store_redis
+    CORRUPT = "corrupt"
+    OTHER_VERSION = "other_version"
 
 
 @frozen_init  # built per turn: see impl.policy.fastinit

@@ -130,7 +130,14 @@ if not h[1] then
   end
   return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), reason}
 end
-if tonumber(now) >= tonumber(h[2]) then
+local usable = tonumber(h[2])
+if not usable then
+  -- written by something else than a router (or damaged): a miss for this conversation, never a script
+  -- error (that would mark the whole store down); removed so it costs one miss
+  remove(m, false, max)
+  return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), 'corrupt'}
+end
+if tonumber(now) >= usable then
   return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), 'expired'}
 end
 -- stamped as used now, optimistically: the guard (checked by the caller) nearly always passes, and
@@ -198,7 +205,17 @@ return present
 """
 
 _MISS = {b"unknown": MissReason.UNKNOWN, b"expired": MissReason.EXPIRED, b"tenant": MissReason.TENANT,
-         b"evicted": MissReason.EVICTED, b"taken": MissReason.TAKEN}
+         b"evicted": MissReason.EVICTED, b"taken": MissReason.TAKEN, b"corrupt": MissReason.CORRUPT}
+# The entry's JSON carries its format ("fmt"). A router reads every format up to its own and misses (without
+# deleting) on a newer one, so a fleet mid rolling upgrade serves every turn: the newer replicas still
+# reuse what they wrote. Entries without "fmt" are format 1 (written before the field existed).
+ENTRY_FORMAT = 1
+
+
+class _BadEntry(ValueError):
+    def __init__(self, reason: MissReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 _ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(ConversationEntry))
 _SHARED_TIME_FIELDS = ("expires_at", "stored_at")  # on the router's clock in memory, wall clock in Redis
 
@@ -341,6 +358,8 @@ class RedisStore:
         self.stats = StoreStats()
         self.errors = 0  # calls that raised StoreUnavailable (failed, or refused while the store is down)
         self.pending_polls = 0  # lookups repeated because another turn's update was pending
+        self.bad_entries: collections.Counter = collections.Counter()  # entries it could not use, by kind
+        self._bad_logged: set[str] = set()
         self._size = 0  # live entries, as of the last script's answer (for the gauge; never a decision)
         self._down_until = -math.inf
         self._down = False
@@ -405,14 +424,42 @@ class RedisStore:
         for name in _SHARED_TIME_FIELDS:
             data[name] = data[name] + self.offset
         data["kv_params"] = dict(data["kv_params"])
+        data["fmt"] = ENTRY_FORMAT
         return json.dumps(data, separators=(",", ":")).encode()
 
     def _decode(self, raw: bytes) -> ConversationEntry:
-        data = json.loads(raw)
-        for name in _SHARED_TIME_FIELDS:
-            data[name] = data[name] - self.offset
-        # fields a newer router added are dropped; fields it lacks keep their defaults
-        return ConversationEntry(**{k: v for k, v in data.items() if k in _ENTRY_FIELDS})
+        """The entry, or _BadEntry: CORRUPT (not ours, damaged) or OTHER_VERSION (a newer router's)."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise _BadEntry(MissReason.CORRUPT, "not JSON") from None
+        if not isinstance(data, dict):
+            raise _BadEntry(MissReason.CORRUPT, "not a JSON object")
+        fmt = data.pop("fmt", 1)
+        if type(fmt) is not int:
+            raise _BadEntry(MissReason.CORRUPT, f"format {fmt!r}")
+        if fmt > ENTRY_FORMAT:
+            raise _BadEntry(MissReason.OTHER_VERSION, f"format {fmt} (this router reads up to {ENTRY_FORMAT})")
+        try:
+            for name in _SHARED_TIME_FIELDS:
+                data[name] = data[name] - self.offset
+            # fields a newer router added are dropped; fields it lacks keep their defaults
+            entry = ConversationEntry(**{k: v for k, v in data.items() if k in _ENTRY_FIELDS})
+        except (KeyError, TypeError) as e:
+            raise _BadEntry(MissReason.CORRUPT, f"fields: {e}") from None
+        if not isinstance(entry.kv_params, dict) or type(entry.num_tokens) is not int or type(entry.held_len) is not int \
+                or not isinstance(entry.decode_instance, str) or not isinstance(entry.expires_at, (int, float)) \
+                or not (entry.held_digest is None or isinstance(entry.held_digest, str)):
+            raise _BadEntry(MissReason.CORRUPT, "a field of the wrong type")
+        return entry
+
+    def _bad_entry(self, e: _BadEntry, m: bytes) -> None:
+        self.bad_entries[e.reason.value] += 1
+        if e.reason.value not in self._bad_logged:  # once per kind: a damaged store must not flood the log
+            self._bad_logged.add(e.reason.value)
+            log.warning("conversation store: an entry this router cannot use (%s: %s): served as a miss%s",
+                        e.reason.value, e, ", and deleted" if e.reason is MissReason.CORRUPT else
+                        " (kept for the replicas that wrote it)")
 
     def _shared(self, now: float) -> str:
         return repr(now + self.offset)
@@ -449,7 +496,21 @@ class RedisStore:
             self.pending_polls += 1
             await asyncio.sleep(_PENDING_POLL_S)
         if reply[0] == b"hit":
-            entry = self._decode(reply[4])
+            try:
+                entry = self._decode(reply[4])
+            except _BadEntry as e:
+                self._bad_entry(e, m)
+                if e.reason is MissReason.CORRUPT:
+                    try:  # only the very entry read: a good one stored meanwhile stays
+                        await self._script(self._forget, m, reply[3], self.max_entries, "")
+                    except StoreUnavailable:
+                        pass
+                else:
+                    try:
+                        await self._script(self._untouch, m, reply[5], reply[6])
+                    except StoreUnavailable:
+                        pass
+                return self._miss(e.reason), None
             # the guard of ConversationStore.lookup (no digest: the reader verifies token ids itself)
             if not guard_passes(entry, prompt):
                 try:
@@ -492,7 +553,11 @@ class RedisStore:
         version, data = await self._call(lambda: self.client.hmget(key, "v", "d"))
         if version is None or data is None:
             return None
-        return Versioned(self._decode(data), version.decode())
+        try:
+            return Versioned(self._decode(data), version.decode())
+        except _BadEntry as e:  # a heartbeat for it: nothing to renew
+            self._bad_entry(e, member(tenant, conversation_id))
+            return None
 
     async def mark_pending(self, tenant: str, conversation_id: str, ttl_s: float) -> None:
         key = self.prefix.encode() + b"p:" + member(tenant, conversation_id)
