@@ -57,7 +57,7 @@ from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, Not
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import (Endpoint, RequestError, check_context_budget, parse_json_body, parse_turn,
                                  refuse_nested_kv_params)
-from impl.router.stores import MemoryStore, open_store
+from impl.router.stores import MemoryStore, StoreUnavailable, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.router.trace_writer import TraceLineage, TraceWriter, TurnTracer
@@ -135,6 +135,13 @@ class Router:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
+        claim = getattr(self.conversations, "claim_tenancy", None)  # a store shared by replicas
+        if claim is not None:
+            try:
+                await claim("open" if self.tenants.open else "keyed")
+            except StoreUnavailable:
+                log.warning("conversation store unreachable at start-up: this replica's tenancy (API keys or none) "
+                            "is not checked against the fleet's")
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.config.upstream_max_connections,
                                          keepalive_timeout=self.config.upstream_keepalive_s, ttl_dns_cache=300)
         # no cookies, no automatic headers, no decompression (vLLM never compresses): each is measurable

@@ -559,6 +559,19 @@ class RedisStore:
             self._bad_entry(e, member(tenant, conversation_id))
             return None
 
+    async def claim_tenancy(self, mode: str) -> None:
+        """Record this fleet's tenancy (``open``: no API keys, every client is tenant ``default``;
+        ``keyed``) on first start, and refuse a replica whose mode differs: its clients would share the
+        other replicas' conversations under another tenancy (ValueError, at start-up)."""
+        key = self.prefix + "tenancy"
+        await self._call(lambda: self.client.set(key, mode, nx=True))
+        stored = await self._call(lambda: self.client.get(key))
+        stored = stored.decode() if isinstance(stored, bytes) else stored
+        if stored != mode:
+            raise ValueError(f"--store: the replicas sharing this store (prefix {self.prefix!r}) run {stored} "
+                             f"(API keys {'configured' if stored == 'keyed' else 'absent'}) and this one {mode}: "
+                             "start every replica with the same API keys, or give this one its own --store-prefix")
+
     async def mark_pending(self, tenant: str, conversation_id: str, ttl_s: float) -> None:
         key = self.prefix.encode() + b"p:" + member(tenant, conversation_id)
         await self._call(lambda: self.client.set(key, b"1", px=max(1, int(ttl_s * 1000))))

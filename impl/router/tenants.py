@@ -15,6 +15,10 @@ configured the router therefore sets vLLM's per-request ``cache_salt`` to :func:
 tenant (folding in a salt the client sent, which then partitions further within its tenant). A pull
 reads blocks by id, not by hash, so reuse across a tenant's own turns is unaffected.
 
+A fleet sharing one store must agree on this: a replica without keys maps every client to
+``default``, so keyed tenants may not take that name, and a shared store remembers whether its fleet runs
+open or keyed and refuses a replica that differs (:meth:`impl.router.store_redis.RedisStore.claim_tenancy`).
+
 Keys are kept only as SHA-256 digests and looked up by the digest of the presented key, so the
 lookup time does not depend on how much of a key matched.
 """
@@ -75,6 +79,11 @@ class Tenants:
             pairs.append((tenant, key))
         table: dict[bytes, str] = {}
         for tenant, key in pairs:
+            if tenant == DEFAULT_TENANT:
+                # a router without keys names every client so: a keyed tenant of that name would share
+                # conversations with an open replica on the same store (impl.router.store_redis: tenancy)
+                raise ValueError(f"API keys: a tenant cannot be named {DEFAULT_TENANT!r}, the tenant of every "
+                                 "request on a router without keys; rename it")
             d = _digest(key)
             if table.get(d, tenant) != tenant:
                 raise ValueError(f"one API key is configured for two tenants ({table[d]!r} and {tenant!r})")

@@ -309,3 +309,21 @@ async def test_branches_of_one_history_on_four_replicas_get_one_offer(redis_serv
         assert sum(offered(r) > 0 for r in results) == 1
         # the others were told why: taken (in the same instant, or by the reason the store keeps)
         assert sum(fleet.router(i).metrics.reuse_misses.get("taken") for i in range(4)) == 3
+
+
+async def test_a_replica_without_keys_cannot_join_a_keyed_fleet(redis_server):
+    """An open replica names every client 'default': on a keyed fleet's store its clients would share
+    conversations with the others'. The store remembers the fleet's tenancy and refuses it at start."""
+    async with Fleet(redis_server.url, n=1, keys={"acme": "key-acme"}) as fleet:
+        fleet.keys = None
+        fleet.apps.append(None), fleet.runners.append(None), fleet.urls.append("")
+        with pytest.raises(ValueError, match="run keyed .* and this one open"):
+            await fleet.start_router(1)
+        fleet.apps.pop(), fleet.runners.pop(), fleet.urls.pop()
+
+
+def test_a_keyed_tenant_cannot_take_the_open_routers_tenant_name():
+    from impl.router.tenants import Tenants
+
+    with pytest.raises(ValueError, match="cannot be named 'default'"):
+        Tenants.load(None, "KEYS", {"KEYS": "default=key-1,acme=key-2"})
