@@ -147,3 +147,29 @@ def test_decode_params_problem():
     assert decode_params_problem(dict(PARAMS, remote_num_tokens=0)) == "no remote_num_tokens"
     assert decode_params_problem({k: v for k, v in PARAMS.items() if k != "remote_host"}).startswith("missing")
     assert decode_params_problem([1]) == "not an object"
+
+
+def test_a_long_answer_is_decoded_as_it_streams_and_never_held_raw():
+    """A batch at a time: the raw events held stay below a batch, the answer and counts are the same as
+    a whole decode would give, and a bad event anywhere still marks the turn."""
+    from impl.router.capture import DECODE_BATCH_EVENTS
+
+    n = 3 * DECODE_BATCH_EVENTS + 17
+    capture = TurnCapture(chat=True)
+    for i in range(n):
+        chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+        if i == n - 1:
+            chunk["kv_transfer_params"] = PARAMS
+            chunk["usage"] = {"completion_tokens": n}
+        capture.on_event(json.dumps(chunk).encode())
+        assert len(capture._pending) < DECODE_BATCH_EVENTS
+    capture.on_event(b"[DONE]")
+    capture.finish()
+    assert capture.complete and capture.answer == "".join(f"t{i} " for i in range(n))
+    assert capture.kv_params == PARAMS and capture.output_tokens == n and capture.content_pieces == n
+    broken = TurnCapture(chat=True)
+    for i in range(DECODE_BATCH_EVENTS + 5):
+        broken.on_event(b'{"choices": [{"index": 0, "delta": {"content": "x"}}]}' if i != 7 else b'{"trunc')
+    broken.on_event(b"[DONE]")
+    broken.finish()
+    assert broken.malformed and not broken.complete
