@@ -65,17 +65,22 @@ def test_a_newer_version_and_mixed_salts_are_refused(tmp_path):
         read_turns(tmp_path)
 
 
-async def test_a_recorded_trace_replays_with_the_routers_decisions(tmp_path):
-    """Record the router's own trace, replay it: each turn the router offered D's KV is a turn the
-    simulator pulls for, and each it did not (a first turn) is one it does not."""
-    async with Deployment(trace_out=str(tmp_path)) as dep:
-        for c in range(5):
+async def record_trace(directory, conversations: int, turns: int) -> None:
+    """A router with --trace-out DIR serving ``conversations`` chats of ``turns`` turns, no id sent."""
+    async with Deployment(trace_out=str(directory)) as dep:
+        for c in range(conversations):
             history = [{"role": "user", "content": f"conversation {c} opens"}]
-            for k in range(3):
+            for k in range(turns):
                 r = await dep.chat(history)
                 await dep.settle()
                 history += [{"role": "assistant", "content": r.answer}, {"role": "user", "content": f"turn {k}"}]
         dep.router.trace.close()
+
+
+async def test_a_recorded_trace_replays_with_the_routers_decisions(tmp_path):
+    """Record the router's own trace, replay it: each turn the router offered D's KV is a turn the
+    simulator pulls for, and each it did not (a first turn) is one it does not."""
+    await record_trace(tmp_path, 5, 3)
     recorded = {(t.conversation, t.turn): t.offered > 0 for t in read_turns(tmp_path)}
     config = SimConfig(seed=0)
     config.workload = {"kind": "router_trace", "path": str(tmp_path)}
@@ -142,14 +147,7 @@ async def test_validate_replays_a_router_trace_like_a_bench_run(tmp_path, capsys
     from impl.cli import main
 
     trace_dir = tmp_path / "trace"
-    async with Deployment(trace_out=str(trace_dir)) as dep:
-        for c in range(3):
-            history = [{"role": "user", "content": f"validate {c}"}]
-            for k in range(2):
-                r = await dep.chat(history)
-                await dep.settle()
-                history += [{"role": "assistant", "content": r.answer}, {"role": "user", "content": f"more {k}"}]
-        dep.router.trace.close()
+    await record_trace(trace_dir, 3, 2)
     deployment = tmp_path / "deployment.json"
     deployment.write_text(json.dumps({"kv_recompute_threshold": 0, "decoder_kv_blocks_ttl": 480, "block_size": 16,
                                       "kv_bytes_per_token": 8192}))
