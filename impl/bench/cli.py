@@ -90,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
                          seed=seed, api_key=os.environ.get(args.api_key_env), token_id_low=args.token_id_low,
                          token_id_high=args.token_id_high,
                          run_id=args.run_id if args.run_id is not None else os.urandom(4).hex())
-    print(f"bench run {config.run_id}: conversation ids are sent as {config.wire_id('<id>')}")
     if workload.get("kind") == VLLM_MULTI_TURN:
         from impl.bench.vllm_clients import run_vllm_bench
         from sim.bench_clients import config_from_workload
@@ -101,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_jsonl(records, args.out)
     print(summary_table(records))
+    print(f"run id {config.run_id}: conversation ids were sent as {config.wire_id('<id>')} (--run-id repeats them)")
     return 0 if records and all(r.ok for r in records) else 1
 
 
