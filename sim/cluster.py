@@ -27,6 +27,7 @@ from sim.config import SimConfig
 from sim.decode import DecodeNode
 from sim.instant import after, call_soon, process_now, run
 from sim.interconnect import Interconnect
+from sim.learnt import LearntHolds
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
 from sim.records import RecordTable, TurnRecord, fields_of, summarize
@@ -76,6 +77,12 @@ class Cluster:
             for d in self.decode:
                 d.retention = oracle
                 d.retention_expiry = oracle.expiry_for
+        self.learnt: LearntHolds | None = None
+        if pol.retention == "learnt":
+            self.learnt = LearntHolds(pol.learnt_retention(decode_blocks * topo.num_decode))
+            self.router.learnt = self.learnt
+            for d in self.decode:
+                d.retention_expiry = self.learnt.expiry_for
         # every turn's record in arrival order: packed when the turn is over (see send_turn)
         self.records = RecordTable()
         self.series: list[tuple[float, str, int, int, int, int]] = []
@@ -191,6 +198,8 @@ class Cluster:
         summary["bytes_moved"] = self.interconnect.bytes_moved
         summary["transfers"] = self.interconnect.transfers
         summary["heartbeats"] = self.heartbeats_sent  # client heartbeats relayed to D (lease retention only)
+        if self.learnt is not None:
+            summary["learnt_retention"] = self.learnt.summary()
         return SimResult(self.records, summary, self.series, self.config)
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from impl.policy.return_time import DEFAULT_EDGES_S, LearntRetention, LearntRetentionSettings
 from impl.policy import (
     BreakEvenThreshold,
     FixedThreshold,
@@ -55,14 +56,18 @@ class PolicyConfig:
     kv_recompute_threshold: int = _f(64, "tokens: pull iff reusable >= this (0 disables the check)")
     recompute_policy: str = _f("fixed", "pull-vs-recompute policy", choices=("fixed", "break_even"))
     apply_threshold_p_to_d: bool = _f(False, "also apply the threshold on the P->D path (vLLM #55801)")
-    retention: str = _f("ttl", "decode-side retention policy (oracle: clairvoyant bound, simulator only)",
-                        choices=("ttl", "lease", "gap_quantile", "oracle"))
+    retention: str = _f("ttl", "decode-side retention policy (learnt: per turn, from the router's view of every "
+                                "conversation's returns, impl.policy.return_time; oracle: clairvoyant bound, simulator only)",
+                        choices=("ttl", "lease", "gap_quantile", "learnt", "oracle"))
     decoder_kv_blocks_ttl: float = _f(480.0, "seconds D keeps a finished turn's blocks (ttl policy; inf allowed)")
     lease_s: float = _f(30.0, "lease length in seconds (lease policy)")
     heartbeat_interval_s: float = _f(10.0, "client heartbeat interval in seconds (lease policy)")
     lease_max_hold_s: float = _f(3600.0, "cap on how long heartbeats can pin blocks (lease policy)")
     gap_quantile: float = _f(0.9, "quantile of observed inter-turn gaps used as TTL (gap_quantile policy)")
     gap_ttl_cap_s: float = _f(900.0, "upper bound on the learnt TTL (gap_quantile policy)")
+    learnt_budget_pct: float = _f(50.0, "learnt retention: decode KV it may keep retained on average, in percent of all "
+                                        "decode KV blocks (the tuner's default budget); > 100 lets only the worth of a "
+                                        "hold limit it")
     expiry_margin_s: float = _f(5.0, "P declines reads this close to expiry (vLLM: 5 s)")
     retained_under_pressure: str = _f(
         "pinned",
@@ -92,6 +97,12 @@ class PolicyConfig:
             return GapQuantileTTL(quantile=self.gap_quantile, cap_s=self.gap_ttl_cap_s, initial_s=self.decoder_kv_blocks_ttl
                                   if math.isfinite(self.decoder_kv_blocks_ttl) else self.gap_ttl_cap_s)
         return FixedTTL(self.decoder_kv_blocks_ttl)
+
+    def learnt_retention(self, decode_kv_blocks_total: int) -> LearntRetention:
+        """The learnt retention for a fleet of that many decode KV blocks (its budget is a share of them)."""
+        fallback = self.decoder_kv_blocks_ttl if math.isfinite(self.decoder_kv_blocks_ttl) else DEFAULT_EDGES_S[-1]
+        return LearntRetention(LearntRetentionSettings(budget_size=self.learnt_budget_pct / 100.0 * decode_kv_blocks_total,
+                                                       fallback_s=fallback, margin_s=self.expiry_margin_s))
 
     def give_back(self) -> GiveBack | None:
         if self.retained_under_pressure != "give_back":
@@ -167,6 +178,7 @@ class SimConfig:
             (math.isfinite(self.series_interval_s), "series_interval_s", "must be finite"),
             (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
             (self.num_clients >= 0, "num_clients", "must be >= 0"),
+            (p.learnt_budget_pct > 0 and not math.isnan(p.learnt_budget_pct), "policy.learnt_budget_pct", "must be > 0"),
             (self.series_interval_s > 0, "series_interval_s", "must be > 0"),
         ]
         for ok, name, why in checks:

@@ -56,6 +56,7 @@ class Router:
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
         self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
+        self.learnt: Any = None  # sim.learnt.LearntHolds under the learnt retention: it sees every arrival and finish
         self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
@@ -101,6 +102,8 @@ class Router:
         last = self._last_finish.get(key)
         if last is not None:  # a later turn: the gap feeds retention policies that learn from gaps
             last[0].retention.observe_gap(now - last[1])
+        if self.learnt is not None:
+            self.learnt.arrived(key, rec.turn, now)
         remote = None
         if self.bidirectional:
             # the entry or why it missed, without a Lookup around it (one per turn)
@@ -190,6 +193,8 @@ class Router:
         key = seq.key
         now = self.env._now
         self._last_finish[key] = (d_node, now)
+        if self.learnt is not None:
+            self.learnt.finished(key, seq.blocks, now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);

@@ -1,0 +1,184 @@
+"""Learnt per-turn retention against the best fixed TTL and lease chosen in hindsight, within one memory budget.
+
+Run: python benchmarks/learnt_retention.py [--trace path/to/conversation_trace.jsonl] [--presets synthetic,agentic,...]
+     [--budget-pct 50] [--workers 2]
+
+For each workload (the Mooncake conversation trace on 4P4D, Qwen3-32B profile, as the README's tuning table;
+each workload preset on the default 1P1D): bidirectional OFF, the clairvoyant oracle, fixed TTLs and heartbeat
+leases (clients renewing while their session is open), and the learnt retention (impl.policy.return_time) with
+its budget set to the same share of decode KV memory and nothing tuned. All pinned, as vLLM's D is. Per
+configuration: TTFT p50/p90, mean retained decode KV as a share of all decode KV memory, retained HBM*s, the
+share of the oracle's compute saving over OFF, and whether it fits the budget (mean retained within it, no
+turn waiting at D for blocks, nothing rejected). The best fixed setting is the best-saving TTL or lease that
+fits: chosen knowing the outcome, which the learnt one is not.
+
+With ``--trace`` it first prints what predicts a return on that trace (the features the estimate groups by
+were chosen from this table): per turn index, previous gap and context length, the share of turns whose
+conversation comes back and the gap's p50/p90.
+
+The Mooncake trace (Apache-2.0): https://github.com/kvcache-ai/Mooncake/blob/main/FAST25-release/traces/conversation_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TTLS_S = (15.0, 30.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 900.0, 1800.0, 3600.0)
+LEASES_S = (30.0, 60.0, 120.0, 240.0)
+
+
+def _one(job: tuple[str, str, dict, dict]) -> tuple[str, str, dict, float]:
+    workload_name, label, base, policy = job
+    import dataclasses
+
+    from sim.config import SimConfig
+    from sim.runner import run_config
+
+    cfg = SimConfig(workload=base["workload"], profile=base["profile"])
+    cfg.topology.num_prefill, cfg.topology.num_decode = base["num_prefill"], base["num_decode"]
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, **policy)).validate()
+    started = time.process_time()
+    result = run_config(cfg)
+    s = result.summary
+    figures = {"ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"],
+               "retained_hbm_gb_s": s["retained_hbm_gb_s"], "sim_time_s": s["sim_time_s"],
+               "tokens_recomputed": s["tokens_recomputed"], "rejected": s["rejected"],
+               "d_wait_total_s": s["d_wait"]["total_s"], "learnt": s.get("learnt_retention")}
+    return workload_name, label, figures, time.process_time() - started
+
+
+def feature_table(trace: str) -> None:
+    """What predicts a return on the trace, from its parent->child links (sim.workload.mooncake)."""
+    from sim.workload.mooncake import find_parents, read_trace
+
+    requests = read_trace(trace)
+    parents = find_parents(requests)
+    first_child: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        if p is not None and p not in first_child:
+            first_child[p] = i
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p is None else depth[p] + 1)
+
+    def gap_before(i: int) -> float | None:
+        p = parents[i]
+        return None if p is None else (requests[i].timestamp_ms - requests[p].timestamp_ms) / 1e3
+
+    features = {
+        "turn index": lambda i: f"{min(depth[i], 6)}{'+' if depth[i] >= 6 else ''}",
+        "previous gap": lambda i: "first turn" if gap_before(i) is None else
+        ("< 60 s" if gap_before(i) < 60 else "60-180 s" if gap_before(i) < 180 else
+         "180-480 s" if gap_before(i) < 480 else ">= 480 s"),
+        "context tokens": lambda i: f"{min(requests[i].input_length // 8000, 4) * 8}k+",
+    }
+    print(f"what predicts a return ({len(requests):,} requests, {len(first_child):,} continued):")
+    for name, key in features.items():
+        groups: dict[str, list[int]] = collections.defaultdict(list)
+        for i in range(len(requests)):
+            groups[key(i)].append(i)
+        print(f"  {name}")
+        for value in sorted(groups, key=lambda v: (len(v), v)):
+            members = groups[value]
+            gaps = sorted((requests[first_child[i]].timestamp_ms - requests[i].timestamp_ms) / 1e3
+                          for i in members if i in first_child)
+            share = len(gaps) / len(members)
+            quantiles = (f"gap p50 {gaps[len(gaps) // 2]:5.0f} s  p90 {gaps[int(len(gaps) * 0.9)]:5.0f} s"
+                         if gaps else "")
+            print(f"    {value:<12} {len(members):>6,} turns  returns {share * 100:5.1f} %  {quantiles}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", help="Mooncake JSONL trace (skipped when absent)")
+    ap.add_argument("--presets", default="synthetic,agentic,reasoning_chat,answer_drift,edited_history,reasoning_agent",
+                    help="workload presets to run on 1P1D (comma-separated; empty for none)")
+    ap.add_argument("--profile", default="qwen3-32b@p5en-tp8")
+    ap.add_argument("--budget-pct", type=float, default=50.0,
+                    help="retained decode KV allowed on average, in percent of all decode KV memory")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+
+    print(f"command: python benchmarks/learnt_retention.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  machine: {platform.node()} {os.cpu_count()} cores  "
+          f"load before: {os.getloadavg()[0]:.2f}")
+    if args.trace:
+        feature_table(args.trace)
+
+    from calibration.profile import LatencyProfile
+
+    profile = LatencyProfile.load(args.profile)
+    block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
+    workloads: list[tuple[str, dict]] = []
+    if args.trace:
+        workloads.append(("mooncake 4P4D", {"workload": {"kind": "mooncake", "path": str(Path(args.trace).resolve())},
+                                            "profile": args.profile, "num_prefill": 4, "num_decode": 4}))
+    for preset in (p.strip() for p in args.presets.split(",") if p.strip()):
+        workloads.append((f"{preset} 1P1D", {"workload": {"kind": preset}, "profile": args.profile,
+                                             "num_prefill": 1, "num_decode": 1}))
+    jobs: list[tuple[str, str, dict, dict]] = []
+    for name, base in workloads:
+        jobs.append((name, "OFF", base, {"bidirectional": False}))
+        jobs.append((name, "oracle", base, {"retention": "oracle", "recompute_policy": "break_even"}))
+        jobs += [(name, f"ttl {t:g} s", base, {"decoder_kv_blocks_ttl": t}) for t in TTLS_S]
+        jobs += [(name, f"lease {t:g} s", base, {"retention": "lease", "lease_s": t, "heartbeat_interval_s": t / 3})
+                 for t in LEASES_S]
+        jobs.append((name, "learnt", base, {"retention": "learnt", "learnt_budget_pct": args.budget_pct}))
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        results = {(w, label): (fig, cpu) for w, label, fig, cpu in pool.map(_one, jobs)}
+
+    summary_rows = []
+    for name, base in workloads:
+        decode_gb = profile.decode_blocks() * block_gb * base["num_decode"]
+        budget_gb = args.budget_pct / 100.0 * decode_gb
+        off = results[(name, "OFF")][0]
+        oracle = results[(name, "oracle")][0]
+        saving = off["tokens_recomputed"] - oracle["tokens_recomputed"]
+        print(f"\n{name}: budget {args.budget_pct:g} % of {decode_gb:,.0f} GB decode KV retained on average")
+        print(f"  {'configuration':<14}{'TTFT p50':>9}{'p90':>9}{'retained %':>11}{'HBM TB*s':>10}{'oracle %':>9}"
+              f"{'fits':>6}{'cpu s':>7}")
+        best: tuple[float, str] | None = None
+        for w, label, _, _ in jobs:
+            if w != name:
+                continue
+            m, cpu = results[(w, label)]
+            mean_gb = m["retained_hbm_gb_s"] / m["sim_time_s"] if m["sim_time_s"] > 0 else 0.0
+            share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
+            fits = mean_gb <= budget_gb and m["rejected"] == 0 and m["d_wait_total_s"] == 0
+            m["share"], m["fits"], m["mean_pct"] = share, fits, mean_gb / decode_gb * 100
+            print(f"  {label:<14}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['mean_pct']:>11.1f}"
+                  f"{m['retained_hbm_gb_s'] / 1e3:>10,.1f}{share:>9.1f}{'yes' if fits else 'no':>6}{cpu:>7.1f}")
+            if fits and (label.startswith("ttl") or label.startswith("lease")) and (best is None or share > best[0]):
+                best = (share, label)
+        learnt = results[(name, "learnt")][0]
+        if learnt["learnt"]:
+            info = learnt["learnt"]
+            print(f"  learnt: {info['holds_learnt']:,} holds learnt, {info['freed_at_once']:,} freed at once, "
+                  f"{info['holds_fallback']:,} on the fallback TTL before enough returns; mean hold "
+                  f"{info['mean_retention_s']:,.0f} s")
+        summary_rows.append((name, best, learnt))
+    print("\nlearnt (nothing tuned) against the best fixed setting that fits, chosen in hindsight:")
+    print(f"  {'workload':<24}{'best fixed':>14}{'oracle %':>9}{'learnt %':>9}{'difference':>11}{'learnt fits':>12}")
+    for name, best, learnt in summary_rows:
+        best_share, best_label = best if best else (math.nan, "-")
+        print(f"  {name:<24}{best_label:>14}{best_share:>9.1f}{learnt['share']:>9.1f}"
+              f"{learnt['share'] - best_share:>+11.1f}{'yes' if learnt['fits'] else 'no':>12}")
+    print("(retained %: mean retained decode KV over the run, of all decode KV memory; oracle %: share of the oracle's "
+          "compute saving over OFF; fits: within the budget, no turn waited at D for blocks, nothing rejected)")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,497 @@
+"""Retention learnt from what the router sees: how likely and how soon a conversation's next turn comes.
+
+A fixed ``decoder_kv_blocks_ttl`` spends the same decode memory on every finished turn. On the public
+Mooncake conversation trace two thirds of the turns never return, and whether one does depends on what
+it looks like: a conversation's first turn returns 25 % of the time, its fourth 55 %, its seventh or later
+78 %; a turn that came soon after the previous one returns sooner (``benchmarks/learnt_retention.py``
+prints the table). Spending the memory where it is likely to be read keeps more reuse for the same
+memory.
+
+The router is where this can be learnt. It sees every turn of every conversation, including the
+conversations that never return and those that return after their blocks expired; D sees only the
+returns it served (a sample censored by its own retention, which is what :class:`GapQuantileTTL`
+learns from). So:
+
+* :class:`ReturnEstimator` -- a discrete-time survival estimate of the gap from a turn's finish to its
+  conversation's next arrival, per group (tenant x feature bucket). A finished turn is *open*: each time
+  it survives a bin without returning it adds one to that bin's at-risk count; when its conversation
+  returns it adds one at-risk and one return to the bin the gap falls in. A turn that is dropped from
+  tracking (the bounded table is full, or it is replaced) simply stops counting: right-censoring,
+  handled as the product-limit (Kaplan-Meier) estimator handles it, so conversations still open never
+  bias the estimate towards "they all come back" or "none do". Sparse groups borrow strength from their
+  tenant's pooled counts (shrinkage with ``prior_weight`` pseudo-observations).
+* :class:`LearntRetention` -- the decision. For a turn of group ``g`` keeping ``T`` seconds is worth the
+  chance it is read within ``T`` and costs its blocks for the expected ``E[min(gap, T)]``; with one price
+  ``lam`` per block-second the best ``T`` is the bin edge that maximises
+  ``P(gap <= T) - lam * E[min(gap, T)]`` (value and memory both scale with the turn's blocks, so the
+  choice is per group). ``lam`` is set, not tuned: the smallest price whose expected retained blocks
+  (the recent turn rate x each recent turn's blocks x its expected hold) stay within ``budget_size``.
+  Until a tenant has ``min_returns`` observed returns the answer is ``fallback_s`` (vLLM's TTL).
+
+Both are pure (``now`` passed in, no I/O, no randomness) and bounded: the open table holds at most
+``max_open`` turns, the mix window ``window_turns``; the simulator runs them verbatim.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Hashable
+
+# Bin edges of the gap (seconds from a turn's finish to its conversation's next arrival): finer where
+# most returns fall (Mooncake: p10 42 s, p50 126 s, p90 480 s), and the last edge is the longest hold
+# the learnt retention ever answers.
+DEFAULT_EDGES_S = (15.0, 30.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 720.0, 1200.0, 1800.0, 3600.0)
+
+# Previous-gap buckets (seconds): where the next-turn chance changes on the Mooncake trace
+PREVIOUS_GAP_EDGES_S = (60.0, 180.0, 480.0)
+TURN_INDEX_BUCKETS = 4  # 0, 1, 2, and 3 or later
+
+# The ledger's correction of the model (LearntRetention): each price setting weighs the latest
+# realized/planned ratio this much (a few settings of memory), and never trusts one beyond this factor
+CORRECTION_WEIGHT = 0.3
+CORRECTION_BOUND = 4.0
+
+
+# In the kv_transfer_params the router sends D with a turn: the seconds D should keep the turn's blocks
+# after it finishes (the learnt hold). D's own retention policy stays the longest it keeps them.
+RETENTION_KEY = "bidikv_retention_s"
+
+
+def asked_retention_s(params: object) -> tuple[float | None, str | None]:
+    """The hold asked for in D's kv_transfer_params: ``(seconds, None)``; ``(None, None)`` when absent;
+    ``(None, why)`` when present but not a finite number of seconds >= 0 (D then applies its own)."""
+    if not isinstance(params, dict) or RETENTION_KEY not in params:
+        return None, None
+    value = params[RETENTION_KEY]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"{RETENTION_KEY} must be a number of seconds, got {type(value).__name__}"
+    if not (value >= 0 and math.isfinite(value)):
+        return None, f"{RETENTION_KEY} must be finite and >= 0, got {value!r}"
+    return float(value), None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnShape:
+    """What the router knows of a turn when it arrives: the features the estimate is grouped by.
+
+    ``turn_index`` counts the conversation's earlier turns (for a chat request: its assistant
+    messages); ``previous_gap_s`` is the time from the previous turn's finish to this arrival (None
+    for a first turn, or when the router did not see the previous one)."""
+
+    turn_index: int
+    previous_gap_s: float | None = None
+
+    def bucket(self) -> tuple[int, int]:
+        turn = self.turn_index if 0 <= self.turn_index < TURN_INDEX_BUCKETS else TURN_INDEX_BUCKETS - 1
+        gap = self.previous_gap_s
+        if gap is None or not gap >= 0:  # a first turn, or a gap the router could not measure
+            return (turn, -1)
+        return (turn, bisect.bisect_right(PREVIOUS_GAP_EDGES_S, gap))
+
+
+@dataclass(slots=True)
+class _Counts:
+    at_risk: list[float]
+    returned: list[float]
+
+    @classmethod
+    def empty(cls, bins: int) -> "_Counts":
+        return cls([0.0] * bins, [0.0] * bins)
+
+
+@dataclass(slots=True)
+class _Open:
+    key: Hashable
+    group: Hashable
+    tenant: Hashable
+    finished_at: float
+    next_bin: int  # the bin it is in now: edges below it have been crossed (and counted)
+    live: bool = True
+
+
+class ReturnEstimator:
+    """Per-group discrete-time survival of the finish-to-next-arrival gap, with right-censoring.
+
+    ``finished(key, tenant, group, now)`` opens a turn; ``returned(key, now)`` closes it with an observed
+    gap; ``advance(now)`` counts the bins open turns survived (called by the other methods, so
+    callers need not). The at-risk and return counts are exact integers in floats: two estimators fed the
+    same calls agree to the bit."""
+
+    __slots__ = ("edges", "_widths", "max_open", "prior_weight", "_open", "_queues", "_counts", "_tenant_counts",
+                 "returns_by_tenant", "censored", "_clock")
+
+    def __init__(self, edges_s: tuple[float, ...] = DEFAULT_EDGES_S, *, max_open: int = 200_000,
+                 prior_weight: float = 20.0) -> None:
+        if not edges_s or any(not (e > 0 and math.isfinite(e)) for e in edges_s) or list(edges_s) != sorted(set(edges_s)):
+            raise ValueError(f"edges_s must be finite, positive and increasing, got {edges_s!r}")
+        if max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {max_open}")
+        if not (prior_weight >= 0 and math.isfinite(prior_weight)):
+            raise ValueError(f"prior_weight must be a finite number >= 0, got {prior_weight!r}")
+        self.edges = tuple(float(e) for e in edges_s)
+        self._widths = [self.edges[0]] + [self.edges[j] - self.edges[j - 1] for j in range(1, len(self.edges))]
+        self.max_open = max_open
+        self.prior_weight = float(prior_weight)
+        self._open: collections.OrderedDict[Hashable, _Open] = collections.OrderedDict()  # oldest finish first
+        # one queue per bin of the open turns waiting to cross its end edge, in finish order (finishes
+        # come in time order, so each queue is sorted and a crossing is found at its head)
+        self._queues: list[collections.deque[_Open]] = [collections.deque() for _ in self.edges]
+        self._counts: dict[Hashable, _Counts] = {}
+        self._tenant_counts: dict[Hashable, _Counts] = {}
+        self.returns_by_tenant: collections.Counter[Hashable] = collections.Counter()
+        self.censored = 0  # open turns dropped before they returned or passed the last edge
+        self._clock = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def _check_time(self, now: float) -> None:
+        if math.isnan(now):
+            raise ValueError("now must be a number")
+        # a clock that steps back is not a reason to count a bin twice or a gap as negative: hold the clock
+        if now > self._clock:
+            self._clock = now
+
+    def _count(self, entry: _Open, bin_index: int, returned: bool) -> None:
+        for table, key in ((self._counts, entry.group), (self._tenant_counts, entry.tenant)):
+            counts = table.get(key)
+            if counts is None:
+                table[key] = counts = _Counts.empty(len(self.edges))
+            counts.at_risk[bin_index] += 1.0
+            if returned:
+                counts.returned[bin_index] += 1.0
+
+    def advance(self, now: float) -> None:
+        self._check_time(now)
+        now = self._clock
+        last = len(self.edges) - 1
+        for j, queue in enumerate(self._queues):
+            edge = self.edges[j]
+            while queue and queue[0].finished_at + edge <= now:
+                entry = queue.popleft()
+                if not entry.live:
+                    continue
+                self._count(entry, j, returned=False)
+                if j == last:  # survived the longest hold there is: no more to learn from it
+                    entry.live = False
+                    del self._open[entry.key]
+                else:
+                    entry.next_bin = j + 1
+                    self._queues[j + 1].append(entry)
+
+    def finished(self, key: Hashable, tenant: Hashable, group: Hashable, now: float) -> None:
+        """A turn finished: its conversation may come back as ``key``."""
+        self.advance(now)
+        old = self._open.pop(key, None)
+        if old is not None:  # a second finish for one key before a return: the first is censored
+            old.live = False
+            self.censored += 1
+        if len(self._open) >= self.max_open:
+            _, oldest = self._open.popitem(last=False)
+            oldest.live = False
+            self.censored += 1
+        entry = _Open(key, group, tenant, self._clock, 0)
+        self._open[key] = entry
+        self._queues[0].append(entry)
+
+    def returned(self, key: Hashable, now: float) -> float | None:
+        """The conversation behind ``key`` sent its next turn at ``now``: the gap observed, or None when
+        ``key`` is not open (never seen, already returned, passed the last edge, or dropped)."""
+        self.advance(now)
+        entry = self._open.pop(key, None)
+        if entry is None:
+            return None
+        entry.live = False
+        gap = self._clock - entry.finished_at
+        self._count(entry, entry.next_bin, returned=True)
+        self.returns_by_tenant[entry.tenant] += 1
+        return gap
+
+    def is_open(self, key: Hashable) -> bool:
+        return key in self._open
+
+    def hazards(self, tenant: Hashable, group: Hashable) -> list[float]:
+        """Per bin, the chance of returning in it given no return before it. The group's counts are shrunk
+        towards its tenant's pooled ones, and those towards one constant return rate fitted to all of
+        the tenant's bins (``prior_weight`` pseudo-observations each): a bin no turn has been through yet
+        (a young deployment has seen no long gaps) is extrapolated, not read as "nobody returns then"."""
+        m = self.prior_weight
+        pooled = self._tenant_counts.get(tenant)
+        own = self._counts.get(group)
+        widths = self._widths
+        if pooled is not None:
+            exposure = sum((n - r / 2.0) * w for n, r, w in zip(pooled.at_risk, pooled.returned, widths))
+            rate = sum(pooled.returned) / exposure if exposure > 0 else 0.0
+        else:
+            rate = 0.0
+        out = []
+        for j, w in enumerate(widths):
+            prior = -math.expm1(-rate * w)
+            n_t = pooled.at_risk[j] if pooled else 0.0
+            h_t = ((pooled.returned[j] if pooled else 0.0) + m * prior) / (n_t + m) if n_t + m > 0 else prior
+            n = own.at_risk[j] if own else 0.0
+            r = own.returned[j] if own else 0.0
+            out.append((r + m * h_t) / (n + m) if n + m > 0 else h_t)
+        return out
+
+    def survival(self, tenant: Hashable, group: Hashable) -> list[float]:
+        """P(no return by each edge), the product-limit estimate."""
+        s, out = 1.0, []
+        for h in self.hazards(tenant, group):
+            s *= 1.0 - h
+            out.append(s)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LearntRetentionSettings:
+    """How the learnt retention spends decode memory; every field has its reason in the module docstring."""
+
+    # the retained KV the fleet may hold on average, in the unit the caller sizes turns in (the simulator:
+    # blocks; the router: tokens); inf: only what a hold is worth limits it
+    budget_size: float = math.inf
+    fallback_s: float = 480.0  # until a tenant has min_returns returns: vLLM's decoder_kv_blocks_ttl
+    min_returns: int = 20
+    margin_s: float = 5.0  # P declines reads this close to expiry: a hold of T covers returns before T
+    window_turns: int = 1024  # the recent turns whose rate, mix and sizes the price is set from
+    refresh_every: int = 256  # turns between two settings of the price...
+    refresh_interval_s: float = 60.0  # ...or seconds, whichever comes first (a quiet fleet still re-prices)
+    edges_s: tuple[float, ...] = DEFAULT_EDGES_S
+    max_open: int = 200_000
+    prior_weight: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not (self.budget_size > 0):
+            raise ValueError(f"budget_size must be > 0 (inf for no budget), got {self.budget_size!r}")
+        if not (self.refresh_interval_s > 0 and math.isfinite(self.refresh_interval_s)):
+            raise ValueError(f"refresh_interval_s must be a finite number of seconds > 0, got {self.refresh_interval_s!r}")
+        for name in ("fallback_s", "margin_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        for name in ("min_returns", "window_turns", "refresh_every"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """The learnt answer for one turn: keep its blocks ``retention_s`` after it finishes (0: free at
+    once), expecting its conversation back within that with probability ``return_chance``."""
+
+    retention_s: float
+    return_chance: float
+    learnt: bool  # False: the tenant has too few returns yet, this is the fallback TTL
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Per group, for the current price: the chosen last bin (-1: none) and its figures."""
+
+    last_bin: int
+    return_chance: float
+    expected_hold_s: float
+
+
+class LearntRetention:
+    """Per-turn retention from :class:`ReturnEstimator`, within a decode-memory budget.
+
+    The router calls :meth:`arrived` when a turn arrives (with the key its previous turn finished
+    under, if any) and :meth:`finished` when it ends, with the KV it left and the hold it was given;
+    :meth:`arrived`'s answer is the retention to ask D for. The price of a block-second is re-set every
+    ``refresh_every`` arrivals or ``refresh_interval_s``, whichever comes first.
+
+    The price is set from a model (the estimated gaps, the recent rate and sizes), and a model is off:
+    on the Mooncake trace the plans undershot what was then held by a fifth (holds decided at older
+    prices, gaps that drift). So the policy also keeps its own ledger of what it has asked D to hold
+    (each turn's KV from its finish until its conversation returns or its hold ends) and scales the
+    model by how far the ledger's time average ran above or below the plan (an exponentially weighted
+    ratio, ``correction``): feedback from what was held, not from a second model."""
+
+    __slots__ = ("settings", "estimator", "price", "correction", "_planned", "_window", "_since_refresh", "_plans",
+                 "_widths", "_held_now", "_held_integral", "_held_clock", "_held_open", "_held_expiries", "_held_seq",
+                 "_refreshed_at", "_integral_at_refresh", "_mix")
+
+    def __init__(self, settings: LearntRetentionSettings | None = None) -> None:
+        self.settings = settings = settings or LearntRetentionSettings()
+        self.estimator = ReturnEstimator(settings.edges_s, max_open=settings.max_open,
+                                         prior_weight=settings.prior_weight)
+        self._planned = math.nan
+        self.price = math.nan  # per block-second, in units of one turn's reuse per block; nan: not set yet
+        self.correction = math.nan  # realized / planned retained KV, smoothed; nan: not measured yet
+        self._window: collections.deque[tuple[Hashable, Hashable, float, float]] = collections.deque(
+            maxlen=settings.window_turns)  # (tenant, group, size, finished at)
+        self._since_refresh = 0
+        self._plans: dict[tuple[Hashable, Hashable], _Plan] = {}
+        # groups whose turns take the longer of two plans in a share of cases: [longer plan, share, carried]
+        self._mix: dict[tuple[Hashable, Hashable], list] = {}
+        edges = settings.edges_s
+        self._widths = [edges[0]] + [edges[j] - edges[j - 1] for j in range(1, len(edges))]
+        # the ledger: what is held now by this policy's own account, its time integral, and the holds
+        # open (key -> (size, sequence number)) with their ends in a heap (stale entries skipped)
+        self._held_now = 0.0
+        self._held_integral = 0.0
+        self._held_clock = -math.inf
+        self._held_open: dict[Hashable, tuple[float, int]] = {}
+        self._held_expiries: list[tuple[float, int, Hashable]] = []
+        self._held_seq = 0
+        self._refreshed_at = math.nan
+        self._integral_at_refresh = 0.0
+
+    def arrived(self, tenant: Hashable, returning_key: Hashable | None, turn_index: int,
+                now: float) -> tuple[Hold, Hashable]:
+        """A turn arrived: its hold and its group (pass both to :meth:`finished`). ``returning_key``: the
+        key the conversation's previous turn finished under (None for a first turn)."""
+        self._ledger_advance(now)
+        gap = None
+        if returning_key is not None:
+            gap = self.estimator.returned(returning_key, now)
+            open_hold = self._held_open.pop(returning_key, None)
+            if open_hold is not None:  # P reads it now and D frees it: the hold ends
+                self._held_now -= open_hold[0]
+        group = (tenant, TurnShape(turn_index, gap).bucket())
+        self._since_refresh += 1
+        if (self._since_refresh >= self.settings.refresh_every or math.isnan(self.price)
+                or not now - self._refreshed_at < self.settings.refresh_interval_s):
+            self._since_refresh = 0
+            self._refresh(now)
+        return self.hold(tenant, group), group
+
+    def finished(self, key: Hashable, tenant: Hashable, group: Hashable, size: float, retention_s: float,
+                 now: float) -> None:
+        """The turn ended: its conversation may come back as ``key``; it left ``size`` KV (in the budget's
+        unit) on D, held ``retention_s`` (the :class:`Hold` it was given)."""
+        self._ledger_advance(now)
+        self.estimator.finished(key, tenant, group, now)
+        size = float(size) if size > 0 else 0.0
+        self._window.append((tenant, group, size, now))
+        old = self._held_open.pop(key, None)
+        if old is not None:  # a later turn under the same key replaces the earlier one's blocks on D
+            self._held_now -= old[0]
+        if size > 0 and retention_s > 0:  # an infinite hold stays in the ledger for good, as on D
+            self._held_seq += 1
+            self._held_open[key] = (size, self._held_seq)
+            self._held_now += size
+            heapq.heappush(self._held_expiries, (self._held_clock + retention_s, self._held_seq, key))
+
+    def _ledger_advance(self, now: float) -> None:
+        if math.isnan(now):
+            raise ValueError("now must be a number")
+        if now <= self._held_clock:
+            return
+        if self._held_clock == -math.inf:
+            self._held_clock = now
+            return
+        heap, open_holds = self._held_expiries, self._held_open
+        while heap and heap[0][0] <= now:
+            ends, seq, key = heapq.heappop(heap)
+            held = open_holds.get(key)
+            if held is None or held[1] != seq:
+                continue  # returned or replaced before it ended
+            self._held_integral += self._held_now * (ends - self._held_clock)
+            self._held_clock = max(self._held_clock, ends)
+            self._held_now -= held[0]
+            del open_holds[key]
+        self._held_integral += self._held_now * (now - self._held_clock)
+        self._held_clock = now
+
+    def held_now(self) -> float:
+        """What the policy has asked D to hold and is, by its own account, still held."""
+        return max(self._held_now, 0.0)
+
+    def hold(self, tenant: Hashable, group: Hashable) -> Hold:
+        s = self.settings
+        if self.estimator.returns_by_tenant[tenant] < s.min_returns or math.isnan(self.price):
+            return Hold(s.fallback_s, math.nan, False)
+        plan = self._plans.get((tenant, group))
+        if plan is None:
+            plan = self._plans[(tenant, group)] = self._plan(tenant, group, self.price)
+        mix = self._mix.get((tenant, group))
+        if mix is not None:  # error diffusion: exactly the share, deterministically spread over its turns
+            mix[2] += mix[1]
+            if mix[2] >= 1.0:
+                mix[2] -= 1.0
+                plan = mix[0]
+        if plan.last_bin < 0:
+            return Hold(0.0, 0.0, True)
+        return Hold(s.edges_s[plan.last_bin] + s.margin_s, plan.return_chance, True)
+
+    def _plan(self, tenant: Hashable, group: Hashable, price: float) -> _Plan:
+        """The bin edge that maximises P(return by it) - price * E[hold up to it]; the earliest on ties
+        (no block-second is spent where nothing more is expected)."""
+        best = _Plan(-1, 0.0, 0.0)
+        best_value = 0.0
+        survive, hold, margin = 1.0, 0.0, self.settings.margin_s
+        for j, h in enumerate(self.estimator.hazards(tenant, group)):
+            hold += survive * self._widths[j] * (1.0 - h / 2.0)  # returns in a bin come, on average, halfway
+            survive *= 1.0 - h
+            held = hold + survive * margin  # the margin P needs is held too, by every turn not back by then
+            value = (1.0 - survive) - price * held
+            if value > best_value + 1e-12:
+                best_value, best = value, _Plan(j, 1.0 - survive, held)
+        return best
+
+    def _measure(self, now: float) -> None:
+        """Fold the ledger's average since the last price setting, against that setting's plan, into
+        ``correction``."""
+        span = now - self._refreshed_at
+        if span > 0 and self._planned > 0:
+            realized = (self._held_integral - self._integral_at_refresh) / span
+            ratio = min(max(realized / self._planned, 1.0 / CORRECTION_BOUND), CORRECTION_BOUND)
+            self.correction = ratio if math.isnan(self.correction) else (
+                (1.0 - CORRECTION_WEIGHT) * self.correction + CORRECTION_WEIGHT * ratio)
+        self._refreshed_at = now
+        self._integral_at_refresh = self._held_integral
+
+    def _refresh(self, now: float) -> None:
+        """Set the price: the smallest whose expected retained KV, scaled by ``correction``, fits the budget."""
+        self._measure(now)
+        self._plans.clear()
+        self._mix.clear()
+        window = self._window
+        span = now - window[0][3] if window else 0.0
+        if len(window) < 2 or not span > 0:
+            return  # no rate to speak of yet: keep the price (nan: the fallback answers)
+        blocks_by_group: dict[tuple[Hashable, Hashable], float] = collections.defaultdict(float)
+        for tenant, group, blocks, _ in window:
+            blocks_by_group[(tenant, group)] += blocks
+
+        def held(price: float) -> float:
+            return sum(b * self._plan(t, g, price).expected_hold_s for (t, g), b in blocks_by_group.items()) / span
+
+        budget = self.settings.budget_size / (self.correction if self.correction > 0 else 1.0)
+        free = held(0.0)
+        if free <= budget:
+            self.price, self._planned = 0.0, free
+            return
+        lo, hi = -12.0, 1.0  # log10 of the price per second: from "keep anything" to "keep nothing"
+        for _ in range(40):
+            mid = (lo + hi) / 2.0
+            if held(10.0 ** mid) > budget:
+                lo = mid
+            else:
+                hi = mid
+        self.price = 10.0 ** hi
+        self._planned = held_hi = held(self.price)
+        # The choice per group is one of a few bin edges, so the held memory is a step function of the
+        # price: at the price found a whole group may have dropped from a long hold to none and left much
+        # of the budget unspent. As a knapsack's relaxation does, the groups whose plan changes across the
+        # step take the longer plan for the share of their turns that spends the budget exactly.
+        held_lo = held(10.0 ** lo)
+        if held_lo > held_hi:
+            share = (budget - held_hi) / (held_lo - held_hi)
+            for t, g in blocks_by_group:
+                longer = self._plan(t, g, 10.0 ** lo)
+                if longer.last_bin != self._plan(t, g, self.price).last_bin:
+                    self._mix[(t, g)] = [longer, share, 0.0]
+            self._planned = held_hi + share * (held_lo - held_hi)
+
+    def expected_held(self) -> float:
+        """What the plans of the last price setting hold on average, by the estimate before ``correction``
+        (nan: not set yet): the figure the price was set against, from that setting's window."""
+        return self._planned
