@@ -26,6 +26,10 @@ the bytes). What changes relative to vLLM 0.32's ``NixlPullConnectorScheduler``:
   heartbeats the router relays to D's heartbeat listener (``bidikv_heartbeat_port``,
   :mod:`impl.connector.heartbeat`): its threads only queue them; this thread applies them at every
   step and during the idle wait below, and the listener's URL reaches the router in the notification.
+* **A per-turn hold asked by the router** (``bidikv_retention_s`` in the request's kv_transfer_params,
+  :mod:`impl.policy.return_time`): the router's learnt retention for this turn. It can only shorten
+  what the retention policy gives (D's ``decoder_kv_blocks_ttl`` stays the longest any turn is kept);
+  0 frees the blocks at the worker's next expiry scan; a malformed value is logged and D's own applies.
 * **Giving retained KV back under pressure** (``bidikv_retained_under_pressure: "give_back"``,
   :mod:`impl.policy.give_back`). vLLM pins a retained turn's blocks until P reads them or the TTL
   passes, so a D short of blocks makes new work wait at the head of its queue for up to the TTL. Here
@@ -71,6 +75,7 @@ from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_bl
 from impl.connector.stats import BidikvKVConnectorStats
 from impl.policy import GiveBackLedger, PullCandidate, RecomputeDecision, TransferPath
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
+from impl.policy.return_time import asked_retention_s
 from impl.policy.store import usable_until
 from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
 
@@ -155,6 +160,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self.notifier = notifier
         # request -> the candidate it will read for: the alignment of its read
         self._pull_plans: dict[str, PullCandidate] = {}
+        # the router's per-turn holds (impl.policy.return_time.RETENTION_KEY): applied, malformed
+        self.retention_asked: collections.Counter[str] = collections.Counter()
         # D: retained request -> (finished at, expiry) on self._clock
         self._retained: dict[str, tuple[float, float]] = {}
         # (path, reason) -> count, and how many peer block lists were cut (introspection, logs)
@@ -346,6 +353,14 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         if delay and out is not None and out.get("do_remote_decode") and out.get("remote_blocks_expiry_time") is not None:
             now = self._clock()
             expiry = self.retention_policy.expiry_on_finish(now)
+            asked, malformed = asked_retention_s(request_params)
+            if asked is not None:  # the router's learnt hold for this turn: shorter only, D's policy is the cap
+                expiry = min(expiry, now + asked)
+                self.retention_asked["applied"] += 1
+            elif malformed is not None:
+                self.retention_asked["malformed"] += 1
+                log.warning("bidikv scheduler %s: request %s: %s; D's own retention applies", self.engine_id,
+                            request.request_id, malformed)
             self._reqs_need_send[request.request_id] = expiry
             out["remote_blocks_expiry_time"] = expiry
             if self.give_back is not None:

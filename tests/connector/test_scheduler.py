@@ -3,6 +3,8 @@ transfer boundary (tests.connector.harness.FakeNixlTransfers)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import vllm  # noqa: F401  (part of the test setup: a missing vLLM is a failure, not a skip)
@@ -12,6 +14,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from impl.connector.config import ConfigError  # noqa: E402
 from impl.connector.scheduler import BidikvPullScheduler
 from impl.policy import BreakEvenThreshold, FixedTTL, GapQuantileTTL, HeartbeatLease
+from impl.policy.return_time import RETENTION_KEY
 from tests.connector.harness import (
     BLOCK_SIZE,
     FakeClock,
@@ -309,6 +312,30 @@ def test_ttl_expiry_is_published_and_enforced(model_dir):
     assert params["do_remote_decode"] is True and params["remote_num_tokens"] == 64 + 3 - 1
     so = scheduler.schedule()  # the deadline reaches the worker with the next metadata
     assert so.kv_connector_metadata.reqs_to_send[req.request_id] == pytest.approx(1020.0)
+
+
+@pytest.mark.parametrize("asked, expiry, counted", [
+    (5.0, 1005.0, "applied"),  # the router's learnt hold for this turn, shorter than D's TTL
+    (0, 1000.0, "applied"),  # "will not return": gone at the worker's next expiry scan
+    (60.0, 1020.0, "applied"),  # longer than D's TTL: D's TTL is the cap
+    ("soon", 1020.0, "malformed"),  # not a number: D's own retention applies
+    (-3.0, 1020.0, "malformed"),
+    (math.inf, 1020.0, "malformed"),
+])
+def test_the_router_can_ask_for_a_shorter_hold_per_turn(model_dir, asked, expiry, counted):
+    scheduler = decode_node(model_dir)
+    cs = connector_scheduler(scheduler)
+    params = prefill_params(num_blocks=2)
+    params["bidikv_notify"] = dict(NOTIFY)
+    params[RETENTION_KEY] = asked
+    req = make_request(tokens(64, seed=26), params, max_tokens=3)
+    scheduler.add_request(req)
+    out = run(scheduler, req)
+    assert out["remote_blocks_expiry_time"] == pytest.approx(expiry)
+    [(_, _, expires_in)] = cs.notifier.submitted  # the router's entry lapses with D's blocks
+    assert expires_in == pytest.approx(expiry - 1000.0)
+    assert scheduler.schedule().kv_connector_metadata.reqs_to_send[req.request_id] == pytest.approx(expiry)
+    assert cs.retention_asked == {counted: 1}
 
 
 def test_notification_carries_what_d_returned(model_dir):
