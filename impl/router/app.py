@@ -60,6 +60,8 @@ from impl.router.request import (Endpoint, RequestError, check_context_budget, p
 from impl.router.stores import MemoryStore, StoreUnavailable, open_store
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
+from impl.policy.return_time import LearntRetentionSettings
+from impl.router.retention import RouterRetention
 from impl.router.trace_writer import TraceLineage, TraceWriter, TurnTracer
 from impl.router.upstreams import HealthProber, UpstreamPool, make_placement
 
@@ -154,6 +156,13 @@ class Router:
         self.proxy.renew_for_read = self.heartbeats.renew_for_read
         if self.trace is not None:
             self.proxy.tracer = TurnTracer(self.trace, self.lineage, self.metrics, self.public_names)
+        if self.config.learnt_retention_budget_tokens > 0:
+            c = self.config
+            self.proxy.retention = RouterRetention(
+                LearntRetentionSettings(budget_size=c.learnt_retention_budget_tokens, fallback_s=c.decoder_kv_blocks_ttl_s,
+                                        margin_s=c.expiry_margin_s, max_open=c.max_conversations,
+                                        min_returns=c.learnt_retention_min_returns),
+                self.metrics, self.proxy.clock, c.max_conversations)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()

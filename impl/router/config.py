@@ -86,6 +86,10 @@ class RouterConfig:
     notify_url: str | None = None  # URL D uses to reach /internal/kv_params; derived if unset
     notify_wait_s: float = 2.0  # how long after D's stream ends to wait for that notification
     decoder_kv_blocks_ttl_s: float = 480.0  # must equal D's decoder_kv_blocks_ttl
+    # learnt per-turn retention (impl.router.retention): off at 0; the KV tokens, summed over all D, that
+    # the holds the router asks for may keep retained on average
+    learnt_retention_budget_tokens: float = 0.0
+    learnt_retention_min_returns: int = 20  # per tenant, before the learnt holds replace D's TTL
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
@@ -136,6 +140,11 @@ class RouterConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (self.learnt_retention_budget_tokens >= 0):  # nan fails too
+            raise ValueError(f"learnt_retention_budget_tokens must be >= 0 (0: off), got "
+                             f"{self.learnt_retention_budget_tokens!r}")
+        if self.learnt_retention_min_returns < 1:
+            raise ValueError(f"learnt_retention_min_returns must be >= 1, got {self.learnt_retention_min_returns}")
         check_store_url(self.store)
         if self.store_max_connections < 1:
             raise ValueError(f"store_max_connections must be >= 1, got {self.store_max_connections}")
@@ -213,6 +222,13 @@ FLAG_HELP: dict[str, str] = {
     "notify_wait_s": "how long to wait for D's notification after its stream ended",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl (how long D keeps a turn's blocks)",
     "expiry_margin_s": "do not offer blocks this close to their expiry",
+    "learnt_retention_budget_tokens": "learn each turn's retention on D from the returns the router sees "
+                                      "(impl/policy/return_time.py) and ask D for it with the turn; the value is the "
+                                      "KV tokens, summed over all decode instances, it may keep retained on average "
+                                      "(inf: only a hold's worth limits it). 0: off, D's decoder_kv_blocks_ttl for "
+                                      "every turn. D's TTL stays the longest any turn is kept",
+    "learnt_retention_min_returns": "returns a tenant's conversations must have made before its turns get learnt "
+                                    "holds (until then: --decoder-kv-blocks-ttl-s)",
     "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
     "tenant_cache_salt": "with API keys, give each tenant's requests vLLM's cache_salt so tenants never share "

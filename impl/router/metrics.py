@@ -160,6 +160,22 @@ class RouterMetrics:
                                                 "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
                                                 "read until its expiry; given_back; expired; unknown; no_listener; "
                                                 "unreachable; timeout; busy; bad_answer).", ("outcome",)))
+        # --learnt-retention-budget-tokens (impl.router.retention): fleet-wide figures, never per tenant
+        self.learnt_retention = r.add(Gauge(p + "learnt_retention", "Learnt per-turn retention, by figure: "
+                                            "budget_tokens, price_per_token_s (the value of a token-second of D's memory "
+                                            "it set to fit the budget), planned_tokens (retained KV its estimate "
+                                            "expects), correction (how far what it asked D to hold ran from that "
+                                            "estimate), held_tokens (what it asked D to hold and is held now).",
+                                            ("figure",)))
+        self.learnt_holds = r.add(Counter(p + "learnt_retention_holds_total", "Holds the router asked D for, by "
+                                          "kind (learnt; none: the turn is not expected back soon enough to be "
+                                          "worth its memory, D frees it; fallback: too few returns seen yet, D's "
+                                          "decoder_kv_blocks_ttl).", ("kind",)))
+        self.learnt_hold_seconds = r.add(Counter(p + "learnt_retention_hold_seconds_total", "Sum of the holds asked "
+                                                 "(divide by learnt_retention_holds_total for the mean)."))
+        self.learnt_expected_returns = r.add(Counter(p + "learnt_retention_expected_returns_total", "Sum over "
+                                                     "learnt holds of the estimated chance the conversation returns "
+                                                     "within its hold: the reuse the router expects."))
         self.tokens_reused = r.add(Counter(p + "tokens_reused_total", "remote_num_tokens offered to P on hits "
                                            "(P pulls fewer when its own prefix cache covers part or below its threshold)."))
         self.ttft = r.add(Histogram(p + "ttft_seconds", "Router-observed time to first token: request received to "

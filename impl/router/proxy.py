@@ -38,12 +38,14 @@ from aiohttp import web
 from impl.policy import ConversationEntry
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
 from impl.policy.prefix_check import REPORT_KEY
+from impl.policy.return_time import RETENTION_KEY
 from impl.router.capture import TurnCapture
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest, shown_id
+from impl.router.retention import RouterRetention
 from impl.router.sse import SSEError, SSESplitter, format_event
 from impl.router.trace_writer import TurnTracer
 from impl.router.stores import RouterStore, StoreUnavailable
@@ -172,6 +174,7 @@ class TurnProxy:
         # give-back D's renewal before P reads (impl.router.heartbeat.HeartbeatRelay.renew_for_read; set by the app)
         self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
         self.tracer: TurnTracer | None = None  # --trace-out (set by the app)
+        self.retention: RouterRetention | None = None  # --learnt-retention-budget-tokens (set by the app)
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
@@ -194,6 +197,10 @@ class TurnProxy:
 
         storable = turn.match != "none" and turn.view is not None
         d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
+        learnt = None
+        if self.retention is not None and storable and d_params:  # D keeps only what P handed it
+            learnt = self.retention.arrived(turn, tenant, key)
+            d_params[RETENTION_KEY] = learnt.hold.retention_s
         token = None
         url = self.notify_url() if (storable and self.config.notify) else None
         if url:
@@ -239,6 +246,9 @@ class TurnProxy:
                 self._remember_affinity((tenant, stored), prefill.upstream.name, turn.estimated_tokens)
             stored_key = (tenant, stored)
             handed_off = await self.recorder.finish_turn(stored_key, turn, capture, upstream, request_id if token else None)
+            if learnt is not None:
+                prompt = prefill.prompt_tokens if prefill.prompt_tokens is not None else turn.estimated_tokens
+                self.retention.finished(learnt, tenant, stored_key, prompt + (capture.output_tokens or 0))
 
         response: web.StreamResponse | None = None
         capture = upstream = None
