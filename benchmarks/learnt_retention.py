@@ -14,7 +14,8 @@ fits: chosen knowing the outcome, which the learnt one is not.
 
 With ``--trace`` it first prints what predicts a return on that trace (the features the estimate groups by
 were chosen from this table): per turn index, previous gap and context length, the share of turns whose
-conversation comes back and the gap's p50/p90.
+conversation comes back and the gap's p50/p90; then the most any per-group hold of those features could
+keep, chosen in hindsight (the ceiling the learnt retention works under).
 
 The Mooncake trace (Apache-2.0): https://github.com/kvcache-ai/Mooncake/blob/main/FAST25-release/traces/conversation_trace.jsonl
 """
@@ -99,6 +100,79 @@ def feature_table(trace: str) -> None:
             print(f"    {value:<12} {len(members):>6,} turns  returns {share * 100:5.1f} %  {quantiles}")
 
 
+def feature_ceiling(trace: str) -> None:
+    """How much any per-group hold could keep with the features the estimate groups by, chosen in
+    hindsight: per group the bin edge (or no hold) that a single price makes best, at the memory a
+    fixed 180 s TTL spends, from the trace alone (memory: a turn's tokens x min(gap, hold + 5 s);
+    reuse: the next turn's prompt tokens it covers; gaps arrival to arrival). The simulator's figures
+    differ (queues, P's verification), the ordering holds: what no estimate of these features can beat."""
+    import bisect
+
+    from impl.policy.return_time import DEFAULT_EDGES_S, PREVIOUS_GAP_EDGES_S, TURN_INDEX_BUCKETS
+    from sim.workload.mooncake import find_parents, read_trace
+
+    requests = read_trace(trace)
+    parents = find_parents(requests)
+    child: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        if p is not None and p not in child:
+            child[p] = i
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p is None else depth[p] + 1)
+    holds = (0.0, *DEFAULT_EDGES_S)
+    turns = []  # (size, gap, reuse, turn index, previous gap)
+    for i, r in enumerate(requests):
+        size = r.input_length + r.output_length
+        nxt = child.get(i)
+        gap = (requests[nxt].timestamp_ms - r.timestamp_ms) / 1e3 if nxt is not None else math.inf
+        reuse = min(requests[nxt].input_length, size) if nxt is not None else 0
+        previous = None if parents[i] is None else (r.timestamp_ms - requests[parents[i]].timestamp_ms) / 1e3
+        turns.append((size, gap, reuse, depth[i], previous))
+    oracle = sum(t[2] for t in turns)
+
+    def figures(members, hold):
+        if hold == 0:
+            return 0.0, 0.0
+        return (sum(t[0] * min(t[1], hold + 5.0) for t in members), sum(t[2] for t in members if t[1] <= hold))
+
+    budget, fixed = figures(turns, 180.0)
+
+    def best(key) -> tuple[int, float]:
+        groups: dict = collections.defaultdict(list)
+        for t in turns:
+            groups[key(t)].append(t)
+        tables = [[figures(m, h) for h in holds] for m in groups.values()]
+
+        def at(price: float) -> tuple[float, float]:
+            cost = value = 0.0
+            for table in tables:
+                c, v = max(table, key=lambda cv: cv[1] - price * cv[0])
+                cost, value = cost + c, value + v
+            return cost, value
+
+        lo, hi = -12.0, 2.0
+        for _ in range(60):
+            mid = (lo + hi) / 2.0
+            lo, hi = (mid, hi) if at(10.0 ** mid)[0] > budget else (lo, mid)
+        return len(tables), at(10.0 ** hi)[1] / oracle * 100
+
+    def gap_bucket(g, edges=PREVIOUS_GAP_EDGES_S):
+        return -1 if g is None else bisect.bisect_right(edges, g)
+
+    print(f"\nthe most any hold per group keeps, chosen in hindsight, at a 180 s TTL's memory (trace alone; "
+          f"the 180 s TTL: {fixed / oracle * 100:.1f} % of the oracle's reuse):")
+    for name, key in (("one group (a fixed TTL)", lambda t: 0),
+                      ("turn index", lambda t: min(t[3], TURN_INDEX_BUCKETS - 1)),
+                      ("turn index x previous gap (the router's)", lambda t: (min(t[3], TURN_INDEX_BUCKETS - 1),
+                                                                              gap_bucket(t[4]))),
+                      ("finer: 7 turn indices x 9 previous gaps", lambda t: (min(t[3], 6), gap_bucket(
+                          t[4], (15, 30, 60, 120, 180, 300, 480, 900)))),
+                      ("knowing whether the conversation returns", lambda t: t[1] < math.inf)):
+        groups, share = best(key)
+        print(f"  {name:<44} {groups:>3} groups  {share:5.1f} %")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", help="Mooncake JSONL trace (skipped when absent)")
@@ -115,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
           f"load before: {os.getloadavg()[0]:.2f}")
     if args.trace:
         feature_table(args.trace)
+        feature_ceiling(args.trace)
 
     from calibration.profile import LatencyProfile
+    from sim.tune.grid import LEARNT_D_TTL_S
 
     profile = LatencyProfile.load(args.profile)
     block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
@@ -134,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(name, f"ttl {t:g} s", base, {"decoder_kv_blocks_ttl": t}) for t in TTLS_S]
         jobs += [(name, f"lease {t:g} s", base, {"retention": "lease", "lease_s": t, "heartbeat_interval_s": t / 3})
                  for t in LEASES_S]
-        jobs.append((name, "learnt", base, {"retention": "learnt", "learnt_budget_pct": args.budget_pct}))
+        # as `bidikv tune` evaluates it: D's TTL the longest hold (D cuts none short), the router asks for less
+        jobs.append((name, "learnt", base, {"retention": "learnt", "learnt_budget_pct": args.budget_pct,
+                                            "decoder_kv_blocks_ttl": LEARNT_D_TTL_S}))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         results = {(w, label): (fig, cpu) for w, label, fig, cpu in pool.map(_one, jobs)}
 
@@ -147,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         saving = off["tokens_recomputed"] - oracle["tokens_recomputed"]
         print(f"\n{name}: budget {args.budget_pct:g} % of {decode_gb:,.0f} GB decode KV retained on average")
         print(f"  {'configuration':<14}{'TTFT p50':>9}{'p90':>9}{'retained %':>11}{'HBM TB*s':>10}{'oracle %':>9}"
-              f"{'fits':>6}{'cpu s':>7}")
+              f"{'D wait s':>10}{'fits':>6}{'cpu s':>7}")
         best: tuple[float, str] | None = None
         for w, label, _, _ in jobs:
             if w != name:
@@ -158,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             fits = mean_gb <= budget_gb and m["rejected"] == 0 and m["d_wait_total_s"] == 0
             m["share"], m["fits"], m["mean_pct"] = share, fits, mean_gb / decode_gb * 100
             print(f"  {label:<14}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['mean_pct']:>11.1f}"
-                  f"{m['retained_hbm_gb_s'] / 1e3:>10,.1f}{share:>9.1f}{'yes' if fits else 'no':>6}{cpu:>7.1f}")
+                  f"{m['retained_hbm_gb_s'] / 1e3:>10,.1f}{share:>9.1f}{m['d_wait_total_s']:>10,.0f}{'yes' if fits else 'no':>6}"
+                  f"{cpu:>7.1f}")
             if fits and (label.startswith("ttl") or label.startswith("lease")) and (best is None or share > best[0]):
                 best = (share, label)
         learnt = results[(name, "learnt")][0]

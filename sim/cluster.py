@@ -79,7 +79,7 @@ class Cluster:
                 d.retention_expiry = oracle.expiry_for
         self.learnt: LearntHolds | None = None
         if pol.retention == "learnt":
-            self.learnt = LearntHolds(pol.learnt_retention(decode_blocks * topo.num_decode))
+            self.learnt = LearntHolds(pol.learnt_retention(decode_blocks * topo.num_decode), pol.decoder_kv_blocks_ttl)
             self.router.learnt = self.learnt
             for d in self.decode:
                 d.retention_expiry = self.learnt.expiry_for

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from impl.policy.return_time import DEFAULT_EDGES_S, LearntRetention, LearntRetentionSettings
+from impl.policy.return_time import LearntRetention, LearntRetentionSettings
 from impl.policy import (
     BreakEvenThreshold,
     FixedThreshold,
@@ -65,6 +65,8 @@ class PolicyConfig:
     lease_max_hold_s: float = _f(3600.0, "cap on how long heartbeats can pin blocks (lease policy)")
     gap_quantile: float = _f(0.9, "quantile of observed inter-turn gaps used as TTL (gap_quantile policy)")
     gap_ttl_cap_s: float = _f(900.0, "upper bound on the learnt TTL (gap_quantile policy)")
+    learnt_fallback_s: float = _f(480.0, "learnt retention: the hold a turn gets before its tenant has made enough "
+                                         "returns to learn from (seconds; vLLM's default TTL)")
     learnt_budget_pct: float = _f(50.0, "learnt retention: decode KV it may keep retained on average, in percent of all "
                                         "decode KV blocks (the tuner's default budget); > 100 lets only the worth of a "
                                         "hold limit it")
@@ -99,10 +101,10 @@ class PolicyConfig:
         return FixedTTL(self.decoder_kv_blocks_ttl)
 
     def learnt_retention(self, decode_kv_blocks_total: int) -> LearntRetention:
-        """The learnt retention for a fleet of that many decode KV blocks (its budget is a share of them)."""
-        fallback = self.decoder_kv_blocks_ttl if math.isfinite(self.decoder_kv_blocks_ttl) else DEFAULT_EDGES_S[-1]
+        """The learnt retention for a fleet of that many decode KV blocks (its budget is a share of them).
+        D's ``decoder_kv_blocks_ttl`` stays the longest any turn is kept, as on the real D."""
         return LearntRetention(LearntRetentionSettings(budget_size=self.learnt_budget_pct / 100.0 * decode_kv_blocks_total,
-                                                       fallback_s=fallback, margin_s=self.expiry_margin_s))
+                                                       fallback_s=self.learnt_fallback_s, margin_s=self.expiry_margin_s))
 
     def give_back(self) -> GiveBack | None:
         if self.retained_under_pressure != "give_back":
@@ -179,6 +181,8 @@ class SimConfig:
             (self.max_sim_time_s > 0, "max_sim_time_s", "must be > 0"),
             (self.num_clients >= 0, "num_clients", "must be >= 0"),
             (p.learnt_budget_pct > 0 and not math.isnan(p.learnt_budget_pct), "policy.learnt_budget_pct", "must be > 0"),
+            (p.learnt_fallback_s >= 0 and math.isfinite(p.learnt_fallback_s), "policy.learnt_fallback_s",
+             "must be a finite number of seconds >= 0"),
             (self.series_interval_s > 0, "series_interval_s", "must be > 0"),
         ]
         for ok, name, why in checks:

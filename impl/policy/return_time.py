@@ -12,21 +12,22 @@ conversations that never return and those that return after their blocks expired
 returns it served (a sample censored by its own retention, which is what :class:`GapQuantileTTL`
 learns from). So:
 
-* :class:`ReturnEstimator` -- a discrete-time survival estimate of the gap from a turn's finish to its
-  conversation's next arrival, per group (tenant x feature bucket). A finished turn is *open*: each time
-  it survives a bin without returning it adds one to that bin's at-risk count; when its conversation
-  returns it adds one at-risk and one return to the bin the gap falls in. A turn that is dropped from
-  tracking (the bounded table is full, or it is replaced) simply stops counting: right-censoring,
-  handled as the product-limit (Kaplan-Meier) estimator handles it, so conversations still open never
-  bias the estimate towards "they all come back" or "none do". Sparse groups borrow strength from their
-  tenant's pooled counts (shrinkage with ``prior_weight`` pseudo-observations).
+* :class:`ReturnEstimator` -- the gap from a turn's finish to its conversation's next arrival, per group
+  (tenant x feature bucket), as a return rate per bin of gaps: returns over the seconds turns spent in
+  the bin, a turn still waiting (or dropped from tracking) counted for exactly as long as it was
+  watched -- right-censoring handled as the maximum-likelihood estimate of a piecewise-constant rate
+  does, so conversations still open never bias the estimate towards "they all come back" or "none
+  do". Sparse groups borrow strength from their tenant's pooled rates (shrinkage with
+  ``prior_weight`` turns' worth of exposure); gaps longer than any seen are extrapolated with a rate
+  falling as 1/gap.
 * :class:`LearntRetention` -- the decision. For a turn of group ``g`` keeping ``T`` seconds is worth the
   chance it is read within ``T`` and costs its blocks for the expected ``E[min(gap, T)]``; with one price
   ``lam`` per block-second the best ``T`` is the bin edge that maximises
   ``P(gap <= T) - lam * E[min(gap, T)]`` (value and memory both scale with the turn's blocks, so the
   choice is per group). ``lam`` is set, not tuned: the smallest price whose expected retained blocks
   (the recent turn rate x each recent turn's blocks x its expected hold) stay within ``budget_size``.
-  Until a tenant has ``min_returns`` observed returns the answer is ``fallback_s`` (vLLM's TTL).
+  Until a tenant has ``min_returns`` observed returns the answer is ``fallback_s`` (vLLM's TTL); while the
+  price is above 0 no hold is longer than the gaps the tenant's turns have been watched through.
 
 Both are pure (``now`` passed in, no I/O, no randomness) and bounded: the open table holds at most
 ``max_open`` turns, the mix window ``window_turns``; the simulator runs them verbatim.
@@ -95,12 +96,20 @@ class TurnShape:
 
 @dataclass(slots=True)
 class _Counts:
-    at_risk: list[float]
+    """Per bin: returns, the seconds closed turns spent in it, and the open turns in it now (how many,
+    and the sum of the times they entered it: their exposure so far is ``open_n * now - open_entered``)."""
+
     returned: list[float]
+    exposure: list[float]
+    open_n: list[float]
+    open_entered: list[float]
 
     @classmethod
     def empty(cls, bins: int) -> "_Counts":
-        return cls([0.0] * bins, [0.0] * bins)
+        return cls([0.0] * bins, [0.0] * bins, [0.0] * bins, [0.0] * bins)
+
+    def exposure_at(self, j: int, now: float) -> float:
+        return self.exposure[j] + max(self.open_n[j] * now - self.open_entered[j], 0.0)
 
 
 @dataclass(slots=True)
@@ -114,15 +123,22 @@ class _Open:
 
 
 class ReturnEstimator:
-    """Per-group discrete-time survival of the finish-to-next-arrival gap, with right-censoring.
+    """Per-group survival of the finish-to-next-arrival gap, with right-censoring: a piecewise-constant
+    return rate per bin, estimated as returns over exposure.
 
     ``finished(key, tenant, group, now)`` opens a turn; ``returned(key, now)`` closes it with an observed
-    gap; ``advance(now)`` counts the bins open turns survived (called by the other methods, so
-    callers need not). The at-risk and return counts are exact integers in floats: two estimators fed the
-    same calls agree to the bit."""
+    gap; a turn dropped from tracking (the bounded table is full, or its key finishes again) is closed
+    as censored. Every turn adds to a bin's exposure the seconds it spent in it -- a whole bin's width
+    once it has crossed it, the part up to its return or censoring in the bin where that happens, and,
+    while still open, the part so far -- so a turn still waiting counts as "not back yet" for exactly as
+    long as it has waited: the maximum-likelihood estimate of the rate under censoring. (Counting a bin
+    only for turns watched through its end, as a product-limit table does, reads the wide late bins of a
+    young deployment as mostly returns: returns are counted as they happen, survivors only once the
+    whole bin has passed.) ``advance(now)`` moves open turns across the edges they passed (called by the
+    other methods, so callers need not)."""
 
-    __slots__ = ("edges", "_widths", "max_open", "prior_weight", "_open", "_queues", "_counts", "_tenant_counts",
-                 "returns_by_tenant", "censored", "_clock")
+    __slots__ = ("edges", "_starts", "_widths", "max_open", "prior_weight", "_open", "_queues", "_counts",
+                 "_tenant_counts", "returns_by_tenant", "censored", "_clock")
 
     def __init__(self, edges_s: tuple[float, ...] = DEFAULT_EDGES_S, *, max_open: int = 200_000,
                  prior_weight: float = 20.0) -> None:
@@ -133,7 +149,8 @@ class ReturnEstimator:
         if not (prior_weight >= 0 and math.isfinite(prior_weight)):
             raise ValueError(f"prior_weight must be a finite number >= 0, got {prior_weight!r}")
         self.edges = tuple(float(e) for e in edges_s)
-        self._widths = [self.edges[0]] + [self.edges[j] - self.edges[j - 1] for j in range(1, len(self.edges))]
+        self._starts = (0.0,) + self.edges[:-1]
+        self._widths = [e - s for s, e in zip(self._starts, self.edges)]
         self.max_open = max_open
         self.prior_weight = float(prior_weight)
         self._open: collections.OrderedDict[Hashable, _Open] = collections.OrderedDict()  # oldest finish first
@@ -156,14 +173,30 @@ class ReturnEstimator:
         if now > self._clock:
             self._clock = now
 
-    def _count(self, entry: _Open, bin_index: int, returned: bool) -> None:
+    def _tables(self, entry: _Open) -> tuple[_Counts, _Counts]:
+        out = []
         for table, key in ((self._counts, entry.group), (self._tenant_counts, entry.tenant)):
             counts = table.get(key)
             if counts is None:
                 table[key] = counts = _Counts.empty(len(self.edges))
-            counts.at_risk[bin_index] += 1.0
+            out.append(counts)
+        return out[0], out[1]
+
+    def _enter(self, entry: _Open, j: int) -> None:
+        entered = entry.finished_at + self._starts[j]
+        for counts in self._tables(entry):
+            counts.open_n[j] += 1.0
+            counts.open_entered[j] += entered
+
+    def _leave(self, entry: _Open, j: int, at: float, returned: bool) -> None:
+        """``entry`` leaves bin ``j`` at ``at``: across its end edge, by its return, or censored."""
+        entered = entry.finished_at + self._starts[j]
+        for counts in self._tables(entry):
+            counts.open_n[j] -= 1.0
+            counts.open_entered[j] -= entered
+            counts.exposure[j] += at - entered
             if returned:
-                counts.returned[bin_index] += 1.0
+                counts.returned[j] += 1.0
 
     def advance(self, now: float) -> None:
         self._check_time(now)
@@ -175,27 +208,32 @@ class ReturnEstimator:
                 entry = queue.popleft()
                 if not entry.live:
                     continue
-                self._count(entry, j, returned=False)
+                self._leave(entry, j, entry.finished_at + edge, returned=False)
                 if j == last:  # survived the longest hold there is: no more to learn from it
                     entry.live = False
                     del self._open[entry.key]
                 else:
                     entry.next_bin = j + 1
+                    self._enter(entry, j + 1)
                     self._queues[j + 1].append(entry)
+
+    def _censor(self, entry: _Open) -> None:
+        entry.live = False
+        self._leave(entry, entry.next_bin, self._clock, returned=False)
+        self.censored += 1
 
     def finished(self, key: Hashable, tenant: Hashable, group: Hashable, now: float) -> None:
         """A turn finished: its conversation may come back as ``key``."""
         self.advance(now)
         old = self._open.pop(key, None)
         if old is not None:  # a second finish for one key before a return: the first is censored
-            old.live = False
-            self.censored += 1
+            self._censor(old)
         if len(self._open) >= self.max_open:
             _, oldest = self._open.popitem(last=False)
-            oldest.live = False
-            self.censored += 1
+            self._censor(oldest)
         entry = _Open(key, group, tenant, self._clock, 0)
         self._open[key] = entry
+        self._enter(entry, 0)
         self._queues[0].append(entry)
 
     def returned(self, key: Hashable, now: float) -> float | None:
@@ -206,40 +244,74 @@ class ReturnEstimator:
         if entry is None:
             return None
         entry.live = False
-        gap = self._clock - entry.finished_at
-        self._count(entry, entry.next_bin, returned=True)
+        self._leave(entry, entry.next_bin, self._clock, returned=True)
         self.returns_by_tenant[entry.tenant] += 1
-        return gap
+        return self._clock - entry.finished_at
 
     def is_open(self, key: Hashable) -> bool:
         return key in self._open
 
+    def rates(self, table: str, key: Hashable) -> tuple[list[float], list[float]] | None:
+        """(returns, exposure seconds) per bin of a group (``table`` "group") or a tenant ("tenant"), now."""
+        counts = (self._counts if table == "group" else self._tenant_counts).get(key)
+        if counts is None:
+            return None
+        return list(counts.returned), [counts.exposure_at(j, self._clock) for j in range(len(self.edges))]
+
     def hazards(self, tenant: Hashable, group: Hashable) -> list[float]:
-        """Per bin, the chance of returning in it given no return before it. The group's counts are shrunk
-        towards its tenant's pooled ones, and those towards one constant return rate fitted to all of
-        the tenant's bins (``prior_weight`` pseudo-observations each): a bin no turn has been through yet
-        (a young deployment has seen no long gaps) is extrapolated, not read as "nobody returns then"."""
+        """Per bin, the chance of returning in it given no return before it, from the bin's return rate.
+        The group's rate is shrunk towards its tenant's, and that towards a prior rate, each by
+        ``prior_weight`` turns' worth of exposure (that many bin widths): the prior is the tenant's own
+        rate in the latest bin with that much exposure, carried into the bins beyond. So a bin no turn has
+        been through yet (a young deployment has seen no long gaps) is extrapolated from the longest gaps
+        seen -- not read as "nobody returns then", nor as "as often as in the first minute" (rates fall
+        with the gap)."""
         m = self.prior_weight
+        widths = self._widths
+        now = self._clock
         pooled = self._tenant_counts.get(tenant)
         own = self._counts.get(group)
-        widths = self._widths
-        if pooled is not None:
-            exposure = sum((n - r / 2.0) * w for n, r, w in zip(pooled.at_risk, pooled.returned, widths))
-            rate = sum(pooled.returned) / exposure if exposure > 0 else 0.0
-        else:
-            rate = 0.0
         out = []
+        prior = 0.0  # until a bin has enough exposure of its own: the tenant's rate over all bins
+        if pooled is not None:
+            exposure = sum(pooled.exposure_at(j, now) for j in range(len(widths)))
+            prior = sum(pooled.returned) / exposure if exposure > 0 else 0.0
+        seen_mid = 0.0
         for j, w in enumerate(widths):
-            prior = -math.expm1(-rate * w)
-            n_t = pooled.at_risk[j] if pooled else 0.0
-            h_t = ((pooled.returned[j] if pooled else 0.0) + m * prior) / (n_t + m) if n_t + m > 0 else prior
-            n = own.at_risk[j] if own else 0.0
-            r = own.returned[j] if own else 0.0
-            out.append((r + m * h_t) / (n + m) if n + m > 0 else h_t)
+            r_t = pooled.returned[j] if pooled else 0.0
+            e_t = pooled.exposure_at(j, now) if pooled else 0.0
+            mid = self._starts[j] + w / 2.0
+            if e_t > 0 and e_t >= m * w:
+                prior, seen_mid = r_t / e_t, mid  # this bin's own rate: the prior of the bins beyond
+            elif seen_mid > 0:
+                # beyond the gaps seen, the rate falls as 1/gap from the last seen: a young deployment has
+                # seen only its quick returns, and their rate carried to long gaps would hold memory for
+                # returns nobody has observed (on the Mooncake trace it filled D and made turns wait)
+                prior = prior * seen_mid / mid
+                seen_mid = mid
+            pseudo = m * w
+            rate_t = (r_t + pseudo * prior) / (e_t + pseudo) if e_t + pseudo > 0 else prior
+            r_g = own.returned[j] if own else 0.0
+            e_g = own.exposure_at(j, now) if own else 0.0
+            rate = (r_g + pseudo * rate_t) / (e_g + pseudo) if e_g + pseudo > 0 else rate_t
+            out.append(-math.expm1(-rate * w))
         return out
 
+    def seen_bins(self, tenant: Hashable) -> int:
+        """How many bins, from the first, end at or before the latest one the tenant's turns have spent
+        ``prior_weight`` turns' worth of time in: beyond it the estimate is extrapolation."""
+        pooled = self._tenant_counts.get(tenant)
+        if pooled is None:
+            return 0
+        m, now = max(self.prior_weight, 1.0), self._clock
+        seen = 0
+        for j, w in enumerate(self._widths):
+            if pooled.exposure_at(j, now) >= m * w:
+                seen = j + 1
+        return seen
+
     def survival(self, tenant: Hashable, group: Hashable) -> list[float]:
-        """P(no return by each edge), the product-limit estimate."""
+        """P(no return by each edge)."""
         s, out = 1.0, []
         for h in self.hazards(tenant, group):
             s *= 1.0 - h
@@ -263,6 +335,11 @@ class LearntRetentionSettings:
     edges_s: tuple[float, ...] = DEFAULT_EDGES_S
     max_open: int = 200_000
     prior_weight: float = 20.0
+
+    @property
+    def longest_hold_s(self) -> float:
+        """The longest hold it ever asks for: D's TTL should be at least this, or D cuts the long ones short."""
+        return self.edges_s[-1] + self.margin_s
 
     def __post_init__(self) -> None:
         if not (self.budget_size > 0):
@@ -307,8 +384,8 @@ class LearntRetention:
     ``refresh_every`` arrivals or ``refresh_interval_s``, whichever comes first.
 
     The price is set from a model (the estimated gaps, the recent rate and sizes), and a model is off:
-    on the Mooncake trace the plans undershot what was then held by a fifth (holds decided at older
-    prices, gaps that drift). So the policy also keeps its own ledger of what it has asked D to hold
+    holds decided at older prices are still held, gaps drift, a young estimate is wrong (on the Mooncake
+    trace the ratio moves between 0.87 and 1.11 over the hour). So the policy also keeps its own ledger of what it has asked D to hold
     (each turn's KV from its finish until its conversation returns or its hold ends) and scales the
     model by how far the ledger's time average ran above or below the plan (an exponentially weighted
     ratio, ``correction``): feedback from what was held, not from a second model."""
@@ -427,7 +504,12 @@ class LearntRetention:
         best = _Plan(-1, 0.0, 0.0)
         best_value = 0.0
         survive, hold, margin = 1.0, 0.0, self.settings.margin_s
-        for j, h in enumerate(self.estimator.hazards(tenant, group)):
+        hazards = self.estimator.hazards(tenant, group)
+        if price > 0:
+            # memory is scarce: none of it on gaps longer than those seen, which a young deployment knows
+            # only by extrapolation (free memory may go there: its price is 0)
+            hazards = hazards[:self.estimator.seen_bins(tenant)]
+        for j, h in enumerate(hazards):
             hold += survive * self._widths[j] * (1.0 - h / 2.0)  # returns in a bin come, on average, halfway
             survive *= 1.0 - h
             held = hold + survive * margin  # the margin P needs is held too, by every turn not back by then

@@ -159,10 +159,10 @@ class Router:
         if self.config.learnt_retention_budget_tokens > 0:
             c = self.config
             self.proxy.retention = RouterRetention(
-                LearntRetentionSettings(budget_size=c.learnt_retention_budget_tokens, fallback_s=c.decoder_kv_blocks_ttl_s,
+                LearntRetentionSettings(budget_size=c.learnt_retention_budget_tokens, fallback_s=c.learnt_retention_fallback_s,
                                         margin_s=c.expiry_margin_s, max_open=c.max_conversations,
                                         min_returns=c.learnt_retention_min_returns),
-                self.metrics, self.proxy.clock, c.max_conversations)
+                self.metrics, self.proxy.clock, c.max_conversations, c.decoder_kv_blocks_ttl_s)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()

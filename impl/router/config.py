@@ -89,7 +89,8 @@ class RouterConfig:
     # learnt per-turn retention (impl.router.retention): off at 0; the KV tokens, summed over all D, that
     # the holds the router asks for may keep retained on average
     learnt_retention_budget_tokens: float = 0.0
-    learnt_retention_min_returns: int = 20  # per tenant, before the learnt holds replace D's TTL
+    learnt_retention_min_returns: int = 20  # per tenant, before the learnt holds replace the fallback
+    learnt_retention_fallback_s: float = 480.0  # the hold asked until then (vLLM's default TTL)
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
@@ -143,6 +144,9 @@ class RouterConfig:
         if not (self.learnt_retention_budget_tokens >= 0):  # nan fails too
             raise ValueError(f"learnt_retention_budget_tokens must be >= 0 (0: off), got "
                              f"{self.learnt_retention_budget_tokens!r}")
+        if not (self.learnt_retention_fallback_s >= 0 and math.isfinite(self.learnt_retention_fallback_s)):
+            raise ValueError(f"learnt_retention_fallback_s must be a finite number of seconds >= 0, got "
+                             f"{self.learnt_retention_fallback_s!r}")
         if self.learnt_retention_min_returns < 1:
             raise ValueError(f"learnt_retention_min_returns must be >= 1, got {self.learnt_retention_min_returns}")
         check_store_url(self.store)
@@ -228,7 +232,9 @@ FLAG_HELP: dict[str, str] = {
                                       "(inf: only a hold's worth limits it). 0: off, D's decoder_kv_blocks_ttl for "
                                       "every turn. D's TTL stays the longest any turn is kept",
     "learnt_retention_min_returns": "returns a tenant's conversations must have made before its turns get learnt "
-                                    "holds (until then: --decoder-kv-blocks-ttl-s)",
+                                    "holds (until then: --learnt-retention-fallback-s)",
+    "learnt_retention_fallback_s": "the hold the router asks for before a tenant has made enough returns (capped, as "
+                                   "every hold, by --decoder-kv-blocks-ttl-s: D's TTL)",
     "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
     "tenant_cache_salt": "with API keys, give each tenant's requests vLLM's cache_salt so tenants never share "

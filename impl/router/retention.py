@@ -48,8 +48,9 @@ class LearntTurn:
 
 class RouterRetention:
     def __init__(self, settings: LearntRetentionSettings, metrics: "RouterMetrics", clock: Callable[[], float],
-                 max_entries: int) -> None:
+                 max_entries: int, d_ttl_s: float) -> None:
         self.policy = LearntRetention(settings)
+        self.d_ttl_s = d_ttl_s  # D keeps no turn longer, whatever it is asked
         self.metrics = metrics
         self.clock = clock
         self.max_entries = max_entries
@@ -82,7 +83,8 @@ class RouterRetention:
 
     def finished(self, learnt: LearntTurn, tenant: str, stored: tuple[str, str], tokens: int) -> None:
         """The turn was stored under ``stored`` and left ``tokens`` of KV on D (prompt + answer)."""
-        self.policy.finished(stored, tenant, learnt.group, tokens, learnt.hold.retention_s, self.clock())
+        held_s = min(learnt.hold.retention_s, self.d_ttl_s)
+        self.policy.finished(stored, tenant, learnt.group, tokens, held_s, self.clock())
         self._next_index[stored] = learnt.index + 1
         self._next_index.move_to_end(stored)
         while len(self._next_index) > self.max_entries:

@@ -46,6 +46,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--gap-quantiles", default=",".join(f"{x:g}" for x in DEFAULT_GAP_QUANTILES), metavar="Q,...",
                    help="quantiles of the observed think time to use as a learnt TTL, '' for none "
                         "(default: %(default)s)")
+    g.add_argument("--learnt", action=argparse.BooleanOptionalAction, default=True,
+                   help="also evaluate the learnt per-turn retention (the router's --learnt-retention-budget-tokens: "
+                        "each turn held as long as its estimated return is worth, from the returns the router sees), "
+                        "its budget the --max-retained-hbm-pct, nothing tuned, at each threshold (default: %(default)s)")
     o = p.add_argument_group("objective")
     o.add_argument("--objective", default="ttft_p90", choices=("ttft_p50", "ttft_p90", "ttft_p99", "compute"),
                    help="what to minimise (default: %(default)s)")
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
     modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
     grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"),
-                      modes)
+                      modes, args.max_retained_hbm_pct if args.learnt else None)
     plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
     conversations = load_conversations(config)
     workload = describe_workload(config, conversations)
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
     decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
     decode_hbm_gb = decode_blocks * block_gb * config.topology.num_decode
+    decode_kv_tokens = decode_blocks * profile.block_size * config.topology.num_decode
     candidates = [*grid, *REFERENCES]
     # the workers simulate what the screen cannot spare while this process screens (config is final here)
     configs, overrides, _ = sweep_jobs(config, candidates)
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.json:
-        out = as_json(points, chosen, args.objective, config.profile, topology)
+        out = as_json(points, chosen, args.objective, config.profile, topology, decode_kv_tokens)
         out.update(workload=workload, warnings=warnings, screening=screening, client_renewal=stated or UNSTATED,
                    client_renewal_sensitivity=sensitivity, client_renewal_lease_points=lease_points(tuning))
         print(dumps(out))
@@ -183,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(sensitivity_table(sensitivity, tuning.main, args.objective))
         print()
-        print(recommendation_text(chosen, config.profile, topology))
+        print(recommendation_text(chosen, config.profile, topology, decode_kv_tokens))
         if chosen is not None and chosen.candidate.policy.get("retention") == "lease":
             # a lease's figures hold only for clients that heartbeat as assumed: say which
             bound = " (they know the future: an upper bound, not a client you can deploy)" if stated == "until_next_turn" else ""

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from impl.policy.return_time import LearntRetentionSettings
+
 # Finite only: vLLM's decoder_kv_blocks_ttl (and our connector and router) take a number of seconds,
 # so a recommendation must be one; the oracle (clairvoyant retention, time-optimal pulls) is the reference,
 # not a bound (sim/oracle.py).
@@ -13,6 +15,8 @@ DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 3600.0)
 DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
 DEFAULT_LEASES_S = (30.0, 120.0)
 DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
+# D's TTL under the learnt retention: its longest hold, so D cuts none short (the router asks for less)
+LEARNT_D_TTL_S = LearntRetentionSettings().longest_hold_s
 # what D does with retained blocks when its pool runs short (sim.config.PolicyConfig.retained_under_pressure):
 # vLLM's pinned blocks and bidikv's give-back, each configuration under both
 DECODE_MODES = ("pinned", "give_back")
@@ -47,16 +51,17 @@ def _fmt_s(seconds: float) -> str:
 
 def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[str] = DEFAULT_THRESHOLDS,
                leases_s: Sequence[float] = DEFAULT_LEASES_S, gap_quantiles: Sequence[float] = DEFAULT_GAP_QUANTILES,
-               decode_modes: Sequence[str] = DECODE_MODES) -> list[Candidate]:
-    """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, each under every decode
-    mode (pinned rows keep their plain labels: vLLM's behaviour; give_back rows say so)."""
+               decode_modes: Sequence[str] = DECODE_MODES, learnt_budget_pct: float | None = None) -> list[Candidate]:
+    """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, and the learnt per-turn
+    retention within ``learnt_budget_pct`` (None: not evaluated) x threshold, each under every decode mode
+    (pinned rows keep their plain labels: vLLM's behaviour; give_back rows say so)."""
     for mode in decode_modes:
         if mode not in DECODE_MODES:
             raise ValueError(f"--decode-modes: {mode!r} must be one of {', '.join(DECODE_MODES)}")
     if not decode_modes:
         raise ValueError("--decode-modes: name at least one of " + ", ".join(DECODE_MODES))
     out: list[Candidate] = []
-    for base in _retention_grid(ttls_s, thresholds, leases_s, gap_quantiles):
+    for base in _retention_grid(ttls_s, thresholds, leases_s, gap_quantiles, learnt_budget_pct):
         for mode in decode_modes:
             if mode == "pinned":
                 out.append(Candidate(base.label, {**base.policy, "retained_under_pressure": "pinned"}))
@@ -66,7 +71,7 @@ def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[st
 
 
 def _retention_grid(ttls_s: Sequence[float], thresholds: Sequence[str], leases_s: Sequence[float],
-                    gap_quantiles: Sequence[float]) -> list[Candidate]:
+                    gap_quantiles: Sequence[float], learnt_budget_pct: float | None) -> list[Candidate]:
     out: list[Candidate] = []
     for threshold in thresholds:
         tp = _threshold_policy(threshold)
@@ -84,6 +89,11 @@ def _retention_grid(ttls_s: Sequence[float], thresholds: Sequence[str], leases_s
             if not 0 < q <= 1:
                 raise ValueError(f"--gap-quantiles: {q!r} must be in (0, 1]")
             out.append(Candidate(f"gap_q={q:g} thr={threshold}", {"retention": "gap_quantile", "gap_quantile": q, **tp}))
+        if learnt_budget_pct is not None:
+            if not 0 < learnt_budget_pct < math.inf:
+                raise ValueError(f"learnt retention budget {learnt_budget_pct!r} must be a finite percentage > 0")
+            out.append(Candidate(f"learnt thr={threshold}", {"retention": "learnt", "learnt_budget_pct": learnt_budget_pct,
+                                                             "decoder_kv_blocks_ttl": LEARNT_D_TTL_S, **tp}))
     return out
 
 

@@ -97,17 +97,24 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
 
 
 def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
-                  topology: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+                  topology: tuple[int, int] = (1, 1), decode_kv_tokens: int | None = None) -> dict[str, Any]:
     """``--kv-transfer-config`` for P and D (keys of impl.connector.config), the keys for the deploy
-    recipe's [connector] table, and the router command for ``topology`` = (prefill, decode) instances."""
+    recipe's [connector] table, and the router command for ``topology`` = (prefill, decode) instances.
+    ``decode_kv_tokens``: the KV tokens of all D together (the learnt retention's budget is a share of them)."""
     pol = point.candidate.policy
     retention = pol.get("retention", "ttl")
-    if retention not in ("ttl", "lease", "gap_quantile"):
+    if retention not in ("ttl", "lease", "gap_quantile", "learnt"):
         raise ValueError(f"{point.candidate.label}: retention {retention!r} has no vLLM setting (simulator only)")
+    learnt = retention == "learnt"
+    if learnt:
+        if decode_kv_tokens is None:
+            raise ValueError(f"{point.candidate.label}: the learnt retention's budget needs the decode KV tokens")
+        retention = "ttl"  # on D: a TTL, the longest hold; the router asks each turn for less
     ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
     # D keeping nothing is one-way transfer: say so, rather than a TTL of 0 (the router refuses one)
     off = retention == "ttl" and ttl == 0
-    ours = retention != "ttl" or pol.get("recompute_policy") == "break_even"
+    # the learnt holds are read by bidikv's connector (stock vLLM ignores the router's per-turn ask)
+    ours = retention != "ttl" or pol.get("recompute_policy") == "break_even" or learnt
     p_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
     d_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
     if pol.get("recompute_policy") == "break_even":
@@ -144,6 +151,10 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
               "--decode", *(f"http://D{i}:{DECODE_HTTP_PORT}" for i in range(num_decode)), "--port", str(ROUTER_PORT)]
     if retention == "ttl" and not off:
         router += ["--decoder-kv-blocks-ttl-s", f"{ttl:g}"]
+    if learnt and not off:
+        budget = int(pol["learnt_budget_pct"] / 100.0 * decode_kv_tokens)
+        router += ["--learnt-retention-budget-tokens", str(max(budget, 1)),
+                   "--learnt-retention-fallback-s", f"{pol.get('learnt_fallback_s', 480.0):g}"]
     # deploy.toml's [connector] is one table for P and D, without bidirectional_kv_xfer (its --mode sets it)
     connector = {k: v for k, v in {**p_extra, **d_extra}.items() if k != "bidirectional_kv_xfer"}
     if retention == "ttl":
@@ -161,10 +172,10 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
 
 
 def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>",
-                        topology: tuple[int, int] = (1, 1)) -> str:
+                        topology: tuple[int, int] = (1, 1), decode_kv_tokens: int | None = None) -> str:
     if chosen is None:
         return "no configuration meets the HBM budget: raise --max-retained-hbm-pct or decode memory"
-    s = vllm_settings(chosen, profile_name, topology)
+    s = vllm_settings(chosen, profile_name, topology, decode_kv_tokens)
     toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s["deploy_connector"].items())
     bound = chosen.compute_saving_pct_of_bound
     of_bound = ("" if bound is None or math.isnan(bound)  # the caller gave no bound: say nothing of it
@@ -187,7 +198,8 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
 
 
 def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
-            profile_name: str = "<profile name or path>", topology: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+            profile_name: str = "<profile name or path>", topology: tuple[int, int] = (1, 1),
+            decode_kv_tokens: int | None = None) -> dict[str, Any]:
     """Every configuration (``same_results_as``: labels of the configurations collapsed into it), the
     frontier and the recommendation. Run through sim.cli.dumps: null, never NaN or Infinity."""
 
@@ -203,7 +215,8 @@ def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
     rows = collapse(points, chosen)
     return {"objective": objective, "points": [row(p, members) for p, members in rows],
             "frontier": [p.candidate.label for p, _ in rows if p.on_frontier],
-            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen, profile_name, topology)}}
+            "recommendation": None if chosen is None else {**row(chosen), **vllm_settings(chosen, profile_name, topology,
+                                                                                           decode_kv_tokens)}}
 
 
 # One colour and marker per reference, the same in all three plots.

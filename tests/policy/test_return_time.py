@@ -22,28 +22,33 @@ EDGES = (10.0, 20.0, 40.0, 80.0)
 turn = st.tuples(st.floats(0, 100, allow_nan=False), st.floats(0, 120, allow_nan=False), st.booleans())
 
 
-def _reference_counts(turns, end, edges):
-    """Kaplan-Meier counts written out directly from each turn's fate, not incrementally: a turn is at risk
-    in every bin whose end it was watched past (its end edge reached by its return, its drop or the end of
-    the run), and at risk and back in the bin its return falls in (a return exactly at an edge is in the
-    next bin); a turn that passes the last edge is done, and a turn censored inside a bin counts nowhere in it."""
-    at_risk, returned = [0] * len(edges), [0] * len(edges)
+def _reference_rates(turns, end, edges):
+    """Returns and exposure per bin written out directly from each turn's fate, not incrementally: a turn
+    is watched until its return, its drop or the end of the run; it spends a bin's whole width in every
+    bin whose end it was watched past, the part up to that moment in the bin it is in then (a return
+    exactly at an edge is in the next bin), and is back in that bin if it returned; a turn that passes the
+    last edge is done."""
+    starts = (0.0,) + tuple(edges[:-1])
+    returned, exposure = [0] * len(edges), [0.0] * len(edges)
     for finish, gap, returns in turns:
         event = finish + gap
         watched_until = min(event, end)
-        j = 0
-        while j < len(edges) and finish + edges[j] <= watched_until:
-            at_risk[j] += 1
-            j += 1
-        if returns and event <= end and j < len(edges):
-            at_risk[j] += 1
-            returned[j] += 1
-    return at_risk, returned
+        for j, (start, edge) in enumerate(zip(starts, edges)):
+            if finish + edge <= watched_until:
+                exposure[j] += edge - start
+            elif finish + start <= watched_until:
+                exposure[j] += watched_until - (finish + start)
+                if returns and event <= end:
+                    returned[j] += 1
+                break
+    return returned, exposure
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(turn, min_size=1, max_size=40), st.floats(0, 300, allow_nan=False))
-def test_counts_equal_the_product_limit_estimators_whatever_the_order_of_events(turns, end):
+def test_returns_and_exposure_equal_a_count_from_scratch_whatever_the_order_of_events(turns, end):
+    """The estimate's statistics -- per bin, returns and the seconds turns spent there, censored ones
+    included for as long as they were watched -- equal a count from each turn's whole fate."""
     turns = sorted(turns)
     est = ReturnEstimator(EDGES, prior_weight=0.0)
     events = []  # (time, order, kind, key): finishes before returns/drops at one instant, as a router sees them
@@ -61,27 +66,42 @@ def test_counts_equal_the_product_limit_estimators_whatever_the_order_of_events(
             est.advance(t)
             dropped = est._open.pop(k, None)  # (already gone if it passed the last edge)
             if dropped is not None:
-                dropped.live = False  # dropped from tracking: the bounded table's eviction, by hand
+                est._censor(dropped)  # dropped from tracking: the bounded table's eviction, by hand
     est.advance(end)
-    counts = est._counts.get("g")
-    at_risk = [int(x) for x in counts.at_risk] if counts else [0] * len(EDGES)
-    returned = [int(x) for x in counts.returned] if counts else [0] * len(EDGES)
-    ref_at_risk, ref_returned = _reference_counts(turns, end, EDGES)
-    assert (at_risk, returned) == (ref_at_risk, ref_returned)
+    got = est.rates("group", "g")
+    returned, exposure = got if got is not None else ([0.0] * len(EDGES), [0.0] * len(EDGES))
+    ref_returned, ref_exposure = _reference_rates(turns, end, EDGES)
+    assert [int(r) for r in returned] == ref_returned
+    assert exposure == pytest.approx(ref_exposure, rel=1e-9, abs=1e-6)
 
 
 def test_a_return_after_the_turn_was_dropped_is_not_counted_and_open_turns_never_bias_the_survival():
     est = ReturnEstimator(EDGES, max_open=2, prior_weight=0.0)
     est.finished("a", "t", "g", 0.0)
     est.finished("b", "t", "g", 1.0)
-    est.finished("c", "t", "g", 2.0)  # table full: "a" is dropped (censored at 2 s, before any edge)
+    est.finished("c", "t", "g", 2.0)  # table full: "a" is dropped (censored at 2 s: 2 s in bin 0)
     assert len(est) == 2 and est.censored == 1
     assert est.returned("a", 15.0) is None
-    assert est.returned("b", 16.0) == pytest.approx(15.0)  # bin 10-20 s: at risk in 0-10 and 10-20, returned in 10-20
-    est.advance(1000.0)  # "c" never returns: at risk in every bin, returned in none
-    s = est.survival("t", "g")
-    # product-limit: bin 0: 2 at risk, 0 back; bin 1: 2 at risk, 1 back; then 1 at risk, 0 back
-    assert s == pytest.approx([1.0, 0.5, 0.5, 0.5])
+    assert est.returned("b", 16.0) == pytest.approx(15.0)  # 10 s in bin 0, back 5 s into bin 1
+    est.advance(1000.0)  # "c" never returns: the whole of every bin
+    returned, exposure = est.rates("group", "g")
+    assert returned == [0.0, 1.0, 0.0, 0.0] and exposure == pytest.approx([22.0, 15.0, 20.0, 40.0])
+    # bin 1: one return in 15 s of exposure over a 10 s bin; no return elsewhere
+    h = -math.expm1(-10.0 / 15.0)
+    assert est.survival("t", "g") == pytest.approx([1.0, 1.0 - h, 1.0 - h, 1.0 - h])
+
+
+def test_a_turn_still_waiting_counts_as_not_back_for_as_long_as_it_has_waited():
+    """Counting a wide bin only for turns watched through its end would read it as all returns while
+    the survivors are still inside it: here one turn returns 60 s into the 10-1000 s bin and nine wait."""
+    est = ReturnEstimator((10.0, 1000.0), prior_weight=0.0)
+    for k in range(10):
+        est.finished(k, "t", "g", 0.0)
+    est.returned(0, 70.0)
+    est.advance(100.0)
+    returned, exposure = est.rates("group", "g")
+    assert returned == [0.0, 1.0] and exposure == pytest.approx([100.0, 60.0 + 9 * 90.0])
+    assert est.survival("t", "g")[1] == pytest.approx(math.exp(-990.0 / 870.0))
 
 
 @settings(max_examples=50, deadline=None)

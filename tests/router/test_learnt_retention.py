@@ -51,7 +51,7 @@ async def test_fallback_until_enough_returns_then_learnt_holds():
         holds = [b["kv_transfer_params"][RETENTION_KEY] for b in dep.d.decode_requests()]
         metrics = (await dep.get("/metrics"))[1].decode()
     # returns seen at each arrival (its own included): 0,1,2 | 2,3,4 | ...: four turns on D's TTL, then learnt
-    assert holds[:4] == [480.0] * 4
+    assert holds[:4] == [480.0] * 4  # --learnt-retention-fallback-s
     assert all(0 < h < 480.0 for h in holds[4:]) and len(holds) == 12
     assert _metric(metrics, "bidikv_router_learnt_retention_holds_total", kind="fallback") == 4
     assert _metric(metrics, "bidikv_router_learnt_retention_holds_total", kind="learnt") == 8
@@ -70,7 +70,7 @@ async def test_a_budget_too_small_for_any_hold_asks_d_to_keep_nothing():
 
 @pytest.mark.parametrize("field, value", [("learnt_retention_budget_tokens", -1.0),
                                           ("learnt_retention_budget_tokens", float("nan")),
-                                          ("learnt_retention_min_returns", 0)])
+                                          ("learnt_retention_min_returns", 0), ("learnt_retention_fallback_s", -1.0)])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**{field: value})

@@ -2,8 +2,9 @@
 --kv-transfer-config values), into our connector (its validator), into the deploy recipe
 (`bidikv deploy check`), and the router command starts with every P and D of the tuned topology.
 
-"Can recommend": every sweep point of the default grid (fixed TTLs, leases, gap quantiles, each with
-every threshold) and vLLM's default; the oracle and OFF are references, never recommended.
+"Can recommend": every sweep point of the default grid (fixed TTLs, leases, gap quantiles, the learnt
+per-turn retention, each with every threshold) and vLLM's default; the oracle and OFF are references,
+never recommended.
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ from sim.tune.report import DECODE_HTTP_PORT, HEARTBEAT_PORT, recommendation_tex
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROFILE = "qwen3-32b@p5en-tp8"
 TOPOLOGY = (2, 3)
-CANDIDATES = [*build_grid(), *(c for c in REFERENCES if c.kind == "default")]
+DECODE_KV_TOKENS = 3 * 950_000  # the learnt retention's budget is a share of it
+CANDIDATES = [*build_grid(learnt_budget_pct=50.0), *(c for c in REFERENCES if c.kind == "default")]
 
 
 def _settings():
-    return [(c, vllm_settings(Point(c, {}), PROFILE, TOPOLOGY)) for c in CANDIDATES]
+    return [(c, vllm_settings(Point(c, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)) for c in CANDIDATES]
 
 
 def _pasted_configs(candidate) -> list[str]:
     """The --kv-transfer-config values exactly as a shell passes them from the printed recommendation."""
-    text = recommendation_text(Point(candidate, {}), PROFILE, TOPOLOGY)
+    text = recommendation_text(Point(candidate, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)
     values = []
     for line in text.splitlines():
         if "--kv-transfer-config" in line:
@@ -55,7 +57,7 @@ def _pasted_configs(candidate) -> list[str]:
 
 def test_the_grid_covers_every_retention_and_threshold():
     kinds = {(c.policy.get("retention"), c.threshold) for c in CANDIDATES}
-    assert {r for r, _ in kinds} == {"ttl", "lease", "gap_quantile"}
+    assert {r for r, _ in kinds} == {"ttl", "lease", "gap_quantile", "learnt"}
     assert {t for _, t in kinds} == {"0", "64", "256", "1024", "break_even"}
 
 
@@ -139,7 +141,20 @@ def test_a_ttl_of_zero_is_recommended_as_bidirectional_off():
     assert "bidirectional transfer OFF" in recommendation_text(Point(c, {}), PROFILE, TOPOLOGY)
 
 
-@pytest.mark.parametrize("retention, ttl", [("ttl", 480.0), ("ttl", 0.0), ("lease", None), ("gap_quantile", None)])
+def test_the_learnt_retention_is_asked_by_the_router_and_read_by_our_connector():
+    [(c, s)] = [(c, s) for c, s in _settings() if c.label == "learnt thr=64"]
+    decode = s["decode_kv_transfer_config"]
+    assert decode["kv_connector_module_path"] == "impl.connector"  # stock vLLM would ignore the per-turn hold
+    assert decode["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 3605.0  # the longest hold: D cuts none
+    argv = s["router_argv"]
+    assert argv[argv.index("--learnt-retention-budget-tokens") + 1] == str(DECODE_KV_TOKENS // 2)
+    assert argv[argv.index("--decoder-kv-blocks-ttl-s") + 1] == "3605"
+    with pytest.raises(ValueError, match="decode KV tokens"):
+        vllm_settings(Point(c, {}), PROFILE, TOPOLOGY)
+
+
+@pytest.mark.parametrize("retention, ttl", [("ttl", 480.0), ("ttl", 0.0), ("lease", None), ("gap_quantile", None),
+                                            ("learnt", None)])
 def test_the_router_command_starts_with_the_tuned_topology(retention, ttl):
     c, s = next((c, s) for c, s in _settings() if c.policy.get("retention") == retention
                 and (ttl is None or c.policy["decoder_kv_blocks_ttl"] == ttl))
