@@ -314,6 +314,13 @@ def generate() -> dict[str, str]:
     return {name: HEADER + build() for name, build in PAGES.items()}
 
 
+def stale_pages(pages: dict[str, str], out: pathlib.Path) -> list[str]:
+    """The generated pages whose file in ``out`` is missing or differs; extra .md files there count too."""
+    stale = [name for name, text in pages.items() if not (out / name).exists() or (out / name).read_text() != text]
+    extra = sorted(f.name for f in out.glob("*.md") if f.name not in pages) if out.is_dir() else []
+    return stale + extra
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 if stale")
@@ -321,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pages = generate()
     if args.check:
-        stale = [name for name, text in pages.items()
-                 if not (args.out / name).exists() or (args.out / name).read_text() != text]
+        stale = stale_pages(pages, args.out)
         if stale:
             print("stale generated reference (run python tools/gen_reference.py): "
                   + ", ".join(f"docs/reference/{n}" for n in stale), file=sys.stderr)
