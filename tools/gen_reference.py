@@ -44,6 +44,14 @@ def _cell(text: object) -> str:
     return s.replace("|", "\\|")
 
 
+def _text(text: object) -> str:
+    """A table cell of prose: as _cell, with <, > and * outside `code` spans shown as themselves
+    (``<bench>.deployment.json`` would otherwise be an HTML tag, ``bidikv_*`` an emphasis)."""
+    parts = re.split(r"(`[^`]*`)", _cell(text))
+    return "".join(part if part.startswith("`") and part.endswith("`") and len(part) > 1 else
+                   part.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*") for part in parts)
+
+
 def _code(text: str) -> str:
     """Inline code that survives any backticks inside."""
     text = _cell(text)
@@ -88,7 +96,7 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
                 if isinstance(metavar, tuple):
                     metavar = " ".join(metavar)
                 value = _code(metavar + (" ..." if action.nargs in ("+", "*") else ""))
-            rows.append(f"| {names} | {value} | {_cell(_help(parser, action))} |")
+            rows.append(f"| {names} | {value} | {_text(_help(parser, action))} |")
         if rows:
             groups.append((group.title or "", rows))
     return groups
@@ -101,7 +109,7 @@ def _slug(path: list[str]) -> str:
 def _command_section(path: list[str], parser: argparse.ArgumentParser, level: int) -> list[str]:
     lines = [f"{'#' * level} `{' '.join(path)}` {{#{_slug(path)}}}", ""]
     if parser.description:
-        lines += [_cell(parser.description), ""]
+        lines += [_text(parser.description), ""]
     for title, rows in _flag_rows(parser):
         lines += [f"*{title}*", "", "| flag | value | meaning |", "| --- | --- | --- |", *rows, ""]
     return lines
@@ -128,7 +136,7 @@ def cli_page() -> str:
     top = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)][0]
     helps = {c.dest: c.help for c in top._choices_actions}
     for name, _ in _subparsers(root):
-        lines.append(f"| [`bidikv {name}`](#bidikv-{name}) | {_cell(helps.get(name, ''))} |")
+        lines.append(f"| [`bidikv {name}`](#bidikv-{name}) | {_text(helps.get(name, ''))} |")
     lines.append("")
     for path, parser, _ in commands[1:]:
         lines += _command_section(path, parser, 2 if len(path) == 2 else 3)
@@ -154,7 +162,7 @@ def router_page() -> str:
     lines += ["## TOML keys (`--config FILE`)", "", "| key | default | meaning |", "| --- | --- | --- |"]
     for f in dataclasses.fields(RouterConfig):
         default = getattr(defaults, f.name)
-        lines.append(f"| `{f.name}` | {_code(repr(default))} | {_cell(FLAG_HELP[f.name])} |")
+        lines.append(f"| `{f.name}` | {_code(repr(default))} | {_text(FLAG_HELP[f.name])} |")
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -183,7 +191,7 @@ def _docstring_table(doc: str) -> dict[str, tuple[str, str]]:
 
 
 def _rst_to_md(text: str) -> str:
-    return _cell(text.replace("``", "`"))
+    return _text(text.replace("``", "`"))
 
 
 def connector_page() -> str:
@@ -224,7 +232,7 @@ def connector_page() -> str:
             default = _code(str(value).lower() if isinstance(value, bool) else
                             ("(none)" if value is None else (f'"{value}"' if isinstance(value, str) else repr(value))))
         else:
-            default = _cell(written.replace("``", "`"))
+            default = _text(written.replace("``", "`"))
         if key == "bidikv_gap_initial_s":
             default = "`decoder_kv_blocks_ttl`"
         lines.append(f"| `{key}` | {default} | {_rst_to_md(meaning)} |")
@@ -290,7 +298,7 @@ def metrics_page() -> str:
              "| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
     for m in router.registry.metrics:
         labels = ", ".join(f"`{n}`" for n in getattr(m, "labelnames", ()))
-        lines.append(f"| `{m.name}` | {m.kind} | {labels} | {_cell(m.help)} |")
+        lines.append(f"| `{m.name}` | {m.kind} | {labels} | {_text(m.help)} |")
     lines += ["", "## The connector (vLLM's own `/metrics` on P and D)", "",
               "Registered by `impl/connector/stats.py`'s `BidikvPromMetrics` beside vLLM's NIXL metrics "
               "(`vllm:nixl_*`, unchanged). Every metric also carries vLLM's per-engine labels.", "",
@@ -298,7 +306,7 @@ def metrics_page() -> str:
     for name, kind, doc, labelnames in _connector_metrics():
         labels = ", ".join(f"`{n}`" for n in labelnames if n != "engine")
         shown = name + "_total" if kind == "counter" and not name.endswith("_total") else name
-        lines.append(f"| `{shown}` | {kind} | {labels} | {_cell(doc)} |")
+        lines.append(f"| `{shown}` | {kind} | {labels} | {_text(doc)} |")
     from impl.connector.stats import OUTCOMES, PATHS
 
     lines += ["", "`vllm:bidikv_prefix_tokens_total`: `path` is " + " or ".join(f"`{p}`" for p in PATHS)
