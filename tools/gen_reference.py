@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import os
 import pathlib
 import re
@@ -54,7 +55,9 @@ def _text(text: object) -> str:
 
 def _code(text: str) -> str:
     """Inline code that survives any backticks inside."""
-    text = _cell(text)
+    text = re.sub(r"\s+", " ", str(text)).strip()
+    if "|" in text:  # a pipe in a table: GitHub splits the cell even inside backticks, mkdocs shows a \| as is
+        return "<code>" + html.escape(text, quote=False).replace("|", "&#124;") + "</code>"
     fence = "``" if "`" in text else "`"
     pad = " " if fence == "``" else ""
     return f"{fence}{pad}{text}{pad}{fence}"
