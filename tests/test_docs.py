@@ -5,7 +5,8 @@
 * every relative link in README.md and docs/**/*.md points at a file that exists (mkdocs does not look
   at README.md, nor at links that leave docs/);
 * docs/reference/ is what ``tools/gen_reference.py`` writes from the code today;
-* the README is at most 200 lines, and no Markdown file cites internal issue numbers.
+* the README is at most 200 lines, its ``bidikv`` commands parse, and no Markdown file cites internal
+  issue numbers.
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ def _markdown_files() -> list[pathlib.Path]:
 def test_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_readme_bidikv_commands_parse():
+    import shlex
+
+    from impl.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    commands = [line.split(" #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+                for line in block.splitlines() if line.startswith("bidikv ")]
+    assert len(commands) >= 3  # one per job
+    for command in commands:
+        try:
+            build_parser().parse_args(shlex.split(command)[1:])
+        except SystemExit as e:  # argparse's way of refusing a command line
+            pytest.fail(f"README command does not parse ({e.code}): {command}")
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
