@@ -24,8 +24,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_MAX_LINES = 200
 
-pytest.importorskip("mkdocs", reason="the docs need the test extra (pip install -e '.[test]')")
-pytest.importorskip("material", reason="the docs need the test extra (pip install -e '.[test]')")
 
 
 # --- relative links -------------------------------------------------------------------------------
@@ -111,6 +109,8 @@ def test_no_internal_issue_numbers_in_markdown():
 # --- the site -------------------------------------------------------------------------------------
 
 def _build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
+    for module in ("mkdocs", "material"):  # the test extra (pip install -e '.[test]')
+        pytest.importorskip(module, reason="the site needs mkdocs and mkdocs-material (the test extra)")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(config), "-d", str(site)],
