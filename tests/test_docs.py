@@ -1,0 +1,163 @@
+"""The documentation builds, its links resolve, and the README stays a front door.
+
+* the site builds with ``mkdocs build --strict`` (mkdocs.yml: links to pages and anchors are checked,
+  and a warning fails the build), and a broken anchor does fail it;
+* every relative link in README.md and docs/**/*.md points at a file that exists (mkdocs does not look
+  at README.md, nor at links that leave docs/);
+* docs/reference/ is what ``tools/gen_reference.py`` writes from the code today;
+* the README is at most 200 lines, its ``bidikv`` commands parse, and no Markdown file cites internal
+  issue numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README_MAX_LINES = 200
+
+
+
+# --- relative links -------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
+_INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """Link targets of a Markdown text that are neither URLs nor in-page anchors, outside code."""
+    text = _INLINE_CODE.sub("", _FENCE.sub("", text))
+    targets = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        targets.append(target)
+    return targets
+
+
+def broken_links(path: pathlib.Path) -> list[str]:
+    """The relative links of a Markdown file whose target file does not exist."""
+    broken = []
+    for target in relative_links(path.read_text()):
+        file_part = target.split("#", 1)[0].split("?", 1)[0]
+        resolved = (ROOT / file_part.lstrip("/")) if file_part.startswith("/") else (path.parent / file_part)
+        if not resolved.exists():
+            broken.append(target)
+    return broken
+
+
+def _markdown_files() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_readme_bidikv_commands_parse():
+    import shlex
+
+    from impl.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    commands = [line.split(" #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+                for line in block.splitlines() if line.startswith("bidikv ")]
+    assert len(commands) >= 3  # one per job
+    for command in commands:
+        try:
+            build_parser().parse_args(shlex.split(command)[1:])
+        except SystemExit as e:  # argparse's way of refusing a command line
+            pytest.fail(f"README command does not parse ({e.code}): {command}")
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    assert broken_links(path) == []
+
+
+def test_link_checker_flags_broken_links(tmp_path):
+    (tmp_path / "there.md").write_text("# there\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md) [ok too](there.md#there) [gone](missing.md) ![img](nope.png)\n"
+                    "[web](https://example.com/x.md) [anchor](#here) `[code](not-a-link.md)`\n"
+                    "```\n[fenced](also-not.md)\n```\n")
+    assert broken_links(page) == ["missing.md", "nope.png"]
+
+
+def test_no_internal_issue_numbers_in_markdown():
+    hits = []
+    for path in [*ROOT.glob("*.md"), *(p for d in ("docs", "impl", "sim", "calibration", "benchmarks",
+                                                  "notebooks", "tools") for p in (ROOT / d).rglob("*.md"))]:
+        if "CHANGELOG" in path.name:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"issue [0-9]+", line, re.I):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert hits == []
+
+
+# --- the site -------------------------------------------------------------------------------------
+
+def _build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
+    for module in ("mkdocs", "material"):  # the test extra (pip install -e '.[test]')
+        pytest.importorskip(module, reason="the site needs mkdocs and mkdocs-material (the test extra)")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                           "-f", str(config), "-d", str(site)],
+                          cwd=config.parent, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_site_builds_strict(tmp_path):
+    run = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for page in ("index.html", "guides/simulate/index.html", "reference/cli/index.html",
+                 "reference/metrics/index.html", "results/index.html"):
+        assert (tmp_path / "site" / page).exists(), page
+
+
+def test_strict_build_fails_on_a_broken_anchor(tmp_path):
+    copy = tmp_path / "repo"
+    copy.mkdir()
+    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    with open(copy / "docs" / "index.md", "a") as f:
+        f.write("\n[nowhere](guides/simulate.md#no-such-heading)\n")
+    run = _build(copy / "mkdocs.yml", tmp_path / "site")
+    assert run.returncode != 0
+    assert "no-such-heading" in run.stdout + run.stderr
+
+
+# --- the generated reference ----------------------------------------------------------------------
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "tools" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_reference_is_current():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "tools/gen_reference.py", "--check"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_staleness_check_names_changed_missing_and_extra_pages(tmp_path):
+    gen = _generator()
+    pages = {"cli.md": "a\n", "router.md": "b\n", "metrics.md": "c\n"}
+    (tmp_path / "cli.md").write_text("a\n")
+    (tmp_path / "router.md").write_text("b, edited by hand\n")
+    (tmp_path / "old.md").write_text("a page the generator no longer writes\n")
+    assert gen.stale_pages(pages, tmp_path) == ["router.md", "metrics.md", "old.md"]
+    assert gen.stale_pages({"cli.md": "a\n"}, tmp_path / "none") == ["cli.md"]
