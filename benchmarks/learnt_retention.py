@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         oracle = results[(name, "oracle")][0]
         saving = off["tokens_recomputed"] - oracle["tokens_recomputed"]
         print(f"\n{name}: budget {args.budget_pct:g} % of {decode_gb:,.0f} GB decode KV retained on average")
-        print(f"  {'configuration':<14}{'TTFT p50':>9}{'p90':>9}{'retained %':>11}{'HBM TB*s':>10}{'oracle %':>9}"
-              f"{'D wait s':>10}{'fits':>6}{'cpu s':>7}")
+        print(f"  {'configuration':<14}{'TTFT p50':>11}{'p90':>12}{'retained %':>11}{'HBM TB*s':>10}{'oracle %':>9}"
+              f"{'D wait s':>12}{'fits':>6}{'cpu s':>7}")
         best: tuple[float, str] | None = None
         for w, label, _, _ in jobs:
             if w != name:
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
             fits = mean_gb <= budget_gb and m["rejected"] == 0 and m["d_wait_total_s"] == 0
             m["share"], m["fits"], m["mean_pct"] = share, fits, mean_gb / decode_gb * 100
-            print(f"  {label:<14}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['mean_pct']:>11.1f}"
-                  f"{m['retained_hbm_gb_s'] / 1e3:>10,.1f}{share:>9.1f}{m['d_wait_total_s']:>10,.0f}{'yes' if fits else 'no':>6}"
-                  f"{cpu:>7.1f}")
+            print(f"  {label:<14}{m['ttft_p50_ms']:>11,.0f}{m['ttft_p90_ms']:>12,.0f}{m['mean_pct']:>11.1f}"
+                  f"{m['retained_hbm_gb_s'] / 1e3:>10,.1f}{share:>9.1f}{m['d_wait_total_s']:>12,.0f}"
+                  f"{'yes' if fits else 'no':>6}{cpu:>7.1f}")
             if fits and (label.startswith("ttl") or label.startswith("lease")) and (best is None or share > best[0]):
                 best = (share, label)
         learnt = results[(name, "learnt")][0]
