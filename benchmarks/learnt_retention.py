@@ -59,8 +59,8 @@ def _one(job: tuple[str, str, dict, dict]) -> tuple[str, str, dict, float]:
     return workload_name, label, figures, time.process_time() - started
 
 
-def feature_table(trace: str) -> None:
-    """What predicts a return on the trace, from its parent->child links (sim.workload.mooncake)."""
+def _links(trace: str) -> tuple[list, list[int | None], dict[int, int], list[int]]:
+    """The trace's requests, each one's parent (sim.workload.mooncake), first child and turn index."""
     from sim.workload.mooncake import find_parents, read_trace
 
     requests = read_trace(trace)
@@ -72,6 +72,12 @@ def feature_table(trace: str) -> None:
     depth: list[int] = []
     for p in parents:
         depth.append(0 if p is None else depth[p] + 1)
+    return requests, parents, first_child, depth
+
+
+def feature_table(trace: str) -> None:
+    """What predicts a return on the trace, from its parent->child links."""
+    requests, parents, first_child, depth = _links(trace)
 
     def gap_before(i: int) -> float | None:
         p = parents[i]
@@ -109,17 +115,8 @@ def feature_ceiling(trace: str) -> None:
     import bisect
 
     from impl.policy.return_time import DEFAULT_EDGES_S, PREVIOUS_GAP_EDGES_S, TURN_INDEX_BUCKETS
-    from sim.workload.mooncake import find_parents, read_trace
 
-    requests = read_trace(trace)
-    parents = find_parents(requests)
-    child: dict[int, int] = {}
-    for i, p in enumerate(parents):
-        if p is not None and p not in child:
-            child[p] = i
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p is None else depth[p] + 1)
+    requests, parents, child, depth = _links(trace)
     holds = (0.0, *DEFAULT_EDGES_S)
     turns = []  # (size, gap, reuse, turn index, previous gap)
     for i, r in enumerate(requests):
