@@ -1,6 +1,6 @@
 """The aiohttp application: routes, authentication, error mapping, lifecycle.
 
-HTTP stack, chosen by benchmarks/router_overhead.py against issue 6's budget (<= 0.6 ms of router
+HTTP stack, chosen by benchmarks/router_overhead.py against the router's overhead budget (<= 0.6 ms of router
 CPU per turn, <= 1 ms added p99 TTFT at c=1, no collapse at 500 concurrent clients). Clients are
 served by aiohttp (C parser; vLLM's example proxy on FastAPI + httpx spends 2.9-3.2 ms per request,
 and at c=500 httpcore's pool scans queued requests x connections on every event). P and D are called

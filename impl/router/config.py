@@ -31,7 +31,7 @@ class RouterConfig:
     api_keys_env: str = "BIDIKV_API_KEYS"
     metrics_token_env: str = "BIDIKV_METRICS_TOKEN"  # if that variable is set, /metrics needs it
     # With API keys and no metrics token, /metrics is refused: its counters move with every tenant's
-    # traffic, so a tenant reading them learns about the others (issue 16). Opt in to serve them open.
+    # traffic, so a tenant reading them learns about the others. Opt in to serve them open.
     open_metrics: bool = False
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)

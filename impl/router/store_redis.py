@@ -1,4 +1,4 @@
-"""The conversation store in Redis/Valkey: one store for a fleet of router replicas (issue 14).
+"""The conversation store in Redis/Valkey: one store for a fleet of router replicas.
 
 ``bidikv router --store redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://PATH``; the password
 in the URL or in ``$BIDIKV_STORE_PASSWORD``). Same rules as :class:`impl.policy.ConversationStore`,

@@ -2,7 +2,7 @@
 
 :class:`impl.policy.ConversationStore` is pure and synchronous (the rules: tenant scoping, expiry
 with margin, the continuation guard, a failed turn keeps its entry, bounded LRU). A router fleet
-needs those same rules on a server every replica reaches (issue 14), so the router talks to this
+needs those same rules on a server every replica reaches, so the router talks to this
 protocol and never to a backend directly:
 
 * :class:`MemoryStore` -- the embedded default: impl.policy's store, wrapped (no I/O, ~1 us a call);

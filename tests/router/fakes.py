@@ -62,7 +62,7 @@ class FakeVllmUpstream:
     chunk_delay_s: float = 0.0
     # kill_mid_stream | no_done | malformed_final | error_event | stall (D, mid-stream);
     # http_500 | http_500_on_pull | http_400 | slow (before answering)
-    # leaky (issue 16): inject_events (D streams the raw payloads of ``inject`` before [DONE]),
+    # leaky (what must never reach a client): inject_events (D streams the raw payloads of ``inject`` before [DONE]),
     # inject_json (D's JSON answer gets ``inject``'s fields in its choice), http_4xx_body (answers
     # ``inject`` = (status, raw body))
     fault: str | None = None

@@ -1,4 +1,4 @@
-"""D's clock is not the router's (issue 17, item 2).
+"""D's clock is not the router's.
 
 ``remote_blocks_expiry_time`` is D's ``time.perf_counter()``: on another host, or a D started at
 another time, it has nothing to do with the router's ``time.monotonic()``. Every other fake D in the
