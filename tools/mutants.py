@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 COPY = ("impl", "sim", "calibration", "tests", "pyproject.toml")
 
 POLICY = ("tests/policy",)
-STORE_BYTES = ("tests/router/test_issue16_store_bytes.py",)  # the byte bound's own tests
+STORE_BYTES = ("tests/router/test_store_bytes.py",)  # the byte bound's own tests
 ROUTER = ("tests/policy/test_store.py", "tests/router/test_flow.py", "tests/router/test_heartbeat.py",
           "tests/router/test_faults.py", "tests/router/test_units.py", "tests/router/test_load_and_state.py",
           "tests/router/test_clocks.py", "tests/router/test_guard_answer.py", "tests/router/test_recorder_stores.py")
