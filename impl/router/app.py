@@ -57,7 +57,8 @@ from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, Not
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import (Endpoint, RequestError, check_context_budget, parse_json_body, parse_turn,
                                  refuse_nested_kv_params)
-from impl.router.stores import MemoryStore, StoreUnavailable, open_store
+from impl.router.store_open import open_store
+from impl.router.stores import MemoryStore, StoreUnavailable
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.policy.return_time import LearntRetentionSettings
