@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "sim.tune.cli",  # tune
     "sim.trace_cli",  # trace (router trace <-> Mooncake)
     "calibration.cli",  # calibrate, profile
+    "sim.validate_cli",  # validate (replays bench runs through the simulator)
     "impl.router.cli",  # router
     "impl.bench.cli",  # bench
     "impl.deploy.cli",  # deploy

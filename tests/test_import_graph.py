@@ -81,3 +81,9 @@ def test_the_simulator_may_import_the_layers_below_it(tmp_path):
         "sim/__init__.py": "", "sim/s.py": "import impl.policy\nfrom calibration import c\n",
     })
     assert _run(root, "--layers").returncode == 0
+
+
+def test_this_repository_has_no_import_cycle():
+    done = _run(ROOT)
+    assert done.returncode == 0, done.stdout
+    assert " 0 cycles" in done.stdout.splitlines()[0]

@@ -32,8 +32,8 @@ import pytest
 from calibration.bench_settings import settings_for
 from calibration.from_bench import fit_from_runs
 from calibration.profile import LatencyProfile
-from calibration.validate import validate_run
-from calibration.validate_cli import ranking
+from sim.validate import validate_run
+from sim.validate_cli import ranking
 from impl.bench.records import read_jsonl
 from impl.cli import main
 
