@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from impl.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
+from impl.bench.stats import bucket_label, percentile
 
 _BENCH_DEFAULTS = BenchConfig(url="", mode="on")  # the one source of the bench's defaults
 
@@ -105,14 +106,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    from sim.records import percentile
-
     return percentile(sorted(values), q)
 
 
 def summary_table(records: Sequence[BenchRecord]) -> str:
-    from sim.records import bucket_label
-
     ok = [r for r in records if r.ok and not math.isnan(r.ttft_s)]
     lines = [f"{len(records)} turns, {len(records) - len(ok)} failed; TTFT (ms) by prompt length",
              f"{'prompt':>9}{'turns':>7}{'p50':>9}{'p90':>9}{'reused (P-reported) / prompt':>31}"]
