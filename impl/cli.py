@@ -20,7 +20,7 @@ SUBCOMMAND_MODULES = [
     "calibration.cli",  # calibrate, profile
     "sim.validate_cli",  # validate (replays bench runs through the simulator)
     "impl.router.cli",  # router
-    "impl.bench.cli",  # bench
+    "sim.bench.cli",  # bench
     "impl.deploy.cli",  # deploy
 ]
 

@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Sequence
 
-from impl.bench.config import BenchConfig
+from sim.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
 from impl.bench.stats import bucket_label, percentile
 
@@ -78,7 +78,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from impl.bench.client import run_bench
+    from sim.bench.client import run_bench
     from impl.bench.records import write_jsonl
     from sim.workload import VLLM_MULTI_TURN, load_workload
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                          token_id_high=args.token_id_high,
                          run_id=args.run_id if args.run_id is not None else os.urandom(4).hex())
     if workload.get("kind") == VLLM_MULTI_TURN:
-        from impl.bench.vllm_clients import run_vllm_bench
+        from sim.bench.vllm_clients import run_vllm_bench
         from sim.bench_clients import config_from_workload
 
         records = asyncio.run(run_vllm_bench(config, conversations, config_from_workload(workload), num_clients))
