@@ -53,7 +53,7 @@ from calibration.hardware import Hardware, load_hardware
 from calibration.profile import PROFILES_DIR, LatencyProfile
 from calibration.published import MEASURED, BenchmarkShape, PublishedFigure, deployment, load_published
 
-TOLERANCE = 0.03  # the acceptance: every figure within 3 %
+TOLERANCE = 0.03  # the fit's acceptance: every published figure within 3 %
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ class RouterConfig:
     # chat request is KBs; the 8 MB maximum needs ~2.2 Mbit/s to make it. Idle keep-alive 30 s:
     # longer than common client pools keep idle connections (httpx 5 s, aiohttp 15 s), so the router
     # does not close one a client is about to reuse, short enough that idle sockets do not pile up.
-    # 4096 connections: twice the 2,000-idle flood plus headroom; the soft fd limit is raised
+    # 4096 connections: twice the 2,000-idle-connection flood of benchmarks/router_hostile.py plus headroom; the soft fd limit is raised
     # to fit (and a warning logged if the hard limit does not allow it).
     client_header_timeout_s: float = 10.0
     client_body_timeout_s: float = 30.0
