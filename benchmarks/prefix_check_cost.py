@@ -3,7 +3,7 @@
 Times, with vLLM's own block hasher (sha256, the default) producing the chain the connector reads:
 
 * D publishing its checkpoints when a turn finishes (``impl.policy.prefix_check.publish``);
-* P verifying them against its prompt (``verify_prefix``): the cost the issue bounds at 1 ms at 128k;
+* P verifying them against its prompt (``verify_prefix``): a cost budgeted at 1 ms at 128k;
 * the published check's size in ``kv_transfer_params`` (JSON bytes), what the router carries.
 
 vLLM computes ``Request.block_hashes`` itself for every request once a KV connector is configured,

@@ -1,4 +1,4 @@
-"""Router replicas sharing conversations through Redis (issue 14): reuse hit rate, added TTFT, Redis restart.
+"""Router replicas sharing conversations through Redis: reuse hit rate, added TTFT, Redis restart.
 
 Same bench bed as benchmarks/router_overhead.py (its raw-asyncio upstream plays P and D; this process is
 the closed-loop load generator sending 5-turn chat conversations with ``conversation_id``), plus a real
@@ -6,7 +6,7 @@ the closed-loop load generator sending 5-turn chat conversations with ``conversa
 
 1. **hit rate** -- turn k of every conversation goes to router k mod n (round robin across replicas, the
    worst case for a per-process store): one router with the in-memory store, two with in-memory stores
-   (what issue 14 measured: half the reuse lost), two sharing Redis. Hit rate = the routers' summed
+   (the per-process stores lose half the reuse), two sharing Redis. Hit rate = the routers' summed
    ``reuse_hits_total`` / turns that could hit (turns 2-5). Upstream answers are instant, so the
    concurrency makes turns race their own previous turn's store only as a real client would (never:
    a client sends turn k+1 after turn k's [DONE]).

@@ -1,4 +1,4 @@
-"""The router under the two hostile loads of issue 16, with the figures printed.
+"""The router under two hostile loads (a store flood, a connection siege), with the figures printed.
 
 ``flood``: a flood of long-context conversations. Every turn is a new conversation whose D answers
 with ``--blocks`` block ids (8,000 blocks = 128k tokens at 16 per block; every other id, so the store

@@ -1,6 +1,6 @@
 """What the router costs: added TTFT, router CPU per request, and throughput at concurrency 1, 50, 500.
 
-Measured the way issue 6's anchor (vLLM's example multi-turn proxy, FastAPI + httpx) was measured on
+Measured the way the overhead budget's anchor (vLLM's example multi-turn proxy, FastAPI + httpx) was measured on
 this 2-core machine:
 
 * the router (``python -m impl.router``) pinned to core 0 with ``taskset``;

@@ -39,9 +39,9 @@ import sys
 import time
 
 
-# issue 15: the targets, and the bare simpy rate of the machine they were set on (its bare ev/turn bound)
+# The simulator's speed targets, and the bare simpy rate of the machine they were set on (its bare ev/turn bound)
 TARGET_TURNS_PER_S = {1: 20_000, 64: 15_000}
-ISSUE_BARE_EVENTS_PER_S = 1.27e6
+TARGET_BARE_EVENTS_PER_S = 1.27e6
 
 
 def bare_simpy_events_per_s(events: int = 200_000) -> float:
@@ -165,9 +165,9 @@ def main() -> None:
                 values = sorted(r[column] for r in rs)
                 cells.append(f"{column} {statistics.median(values):,.1f} ({values[0]:,}-{values[-1]:,})")
             print(f"{nodes:>3}P{nodes}D {turns:>9} turns: " + ", ".join(cells))
-    print(f"issue 15's targets: 1P1D >= {TARGET_TURNS_PER_S[1]:,} turns/s and 64P64D >= {TARGET_TURNS_PER_S[64]:,} on a "
-          f"machine running {ISSUE_BARE_EVENTS_PER_S:,.0f} bare events/s, i.e. <= "
-          f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} and <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} "
+    print(f"the speed targets: 1P1D >= {TARGET_TURNS_PER_S[1]:,} turns/s and 64P64D >= {TARGET_TURNS_PER_S[64]:,} on a "
+          f"machine running {TARGET_BARE_EVENTS_PER_S:,.0f} bare events/s, i.e. <= "
+          f"{TARGET_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} and <= {TARGET_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} "
           f"bare ev/turn; <= 1 KB/turn")
 
 
@@ -197,8 +197,8 @@ def instructions(topologies: list[int], turns: int, seed: int) -> None:
         (i1, t1), (i2, t2) = runs
         per_turn = (i2 - i1) / (t2 - t1)
         print(f"{f'{nodes}P{nodes}D':>9} {f'{t1}->{t2}':>15} {per_turn:>12,.0f} {per_turn / per_event:>21.1f}", flush=True)
-    print(f"issue 15's targets in time: <= {ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} (1P1D) and <= "
-          f"{ISSUE_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} (64P64D) bare ev/turn; instructions are not time "
+    print(f"the speed targets in time: <= {TARGET_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[1]:.1f} (1P1D) and <= "
+          f"{TARGET_BARE_EVENTS_PER_S / TARGET_TURNS_PER_S[64]:.1f} (64P64D) bare ev/turn; instructions are not time "
           "(see the module docstring)")
 
 

@@ -37,10 +37,11 @@ Errors name the missing or invalid field.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from calibration import jsondata
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -157,11 +158,9 @@ class _Fields:
 def load_config(path: str | pathlib.Path) -> dict[str, Any]:
     path = pathlib.Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = jsondata.read_json(path, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a JSON object")
     return data

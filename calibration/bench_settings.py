@@ -11,10 +11,11 @@ each field's metadata.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from calibration import jsondata
 
 
 def _f(default: Any, help: str) -> Any:
@@ -39,11 +40,9 @@ class DeploymentSettings:
     def load(cls, path: str | pathlib.Path) -> "DeploymentSettings":
         """From a deployment JSON; keys that are not settings (uptime, seed, ...) are ignored."""
         try:
-            data = json.loads(pathlib.Path(path).read_text())
+            data = jsondata.read_json(pathlib.Path(path))
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object")
         names = {f.name: f for f in dataclasses.fields(cls)}

@@ -1,18 +1,17 @@
 """Profiles from an architecture: config.json + hardware + TP + hardware efficiencies -> LatencyProfile.
 
-Each latency model contributes its own profile fields (calibration.prefill, .transfer, .reuse, .ttft,
-.decode); this module only composes them. ``profile_from_architecture`` is what
-``bidikv profile --model-config config.json --hardware p5en --tp N`` runs.
+``profile_from_architecture`` is what ``bidikv profile --model-config config.json --hardware p5en --tp N``
+runs: calibration.compose turns the efficiencies into the profile, calibration.portable says which
+efficiencies a model nobody measured carries and where each field comes from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
-from calibration import decode, prefill, reuse, transfer, ttft
 from calibration.architecture import Architecture, architecture_from_config_file
+from calibration.compose import build_profile
 from calibration.efficiencies import HardwareEfficiencies, load_efficiencies
 from calibration.floors import floor_rows
 from calibration.hardware import Hardware, load_hardware
@@ -21,20 +20,6 @@ from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
 
 DEFAULT_FLOOR_PROMPTS = (2048, 24576)
-
-
-def build_profile(arch: Architecture, hw: Hardware, tp: int, eff: HardwareEfficiencies, *, name: str,
-                  model: str, block_size: int | None = None,
-                  provenance: dict[str, Any] | None = None) -> LatencyProfile:
-    hw.check_tp(tp)
-    fields: dict[str, Any] = {}
-    fields.update(prefill.coefficients(arch, hw, tp, eff))
-    fields.update(transfer.coefficients(arch, hw, tp, eff))
-    fields.update(reuse.coefficients(eff))
-    fields.update(ttft.coefficients(eff))
-    fields.update(decode.coefficients(arch, hw, tp, eff))
-    return LatencyProfile(name=name, model=model, hardware=hw.name, tp=tp, kv_bytes_per_token=arch.kv_bytes_per_token(tp),
-                          block_size=block_size or arch.default_block_size, provenance=provenance or {}, **fields)
 
 
 def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | Hardware = "p5en", tp: int = 8,

@@ -17,7 +17,7 @@ Two features per turn, computed from the bench records alone (start, TTFT, total
   :mod:`calibration.profile`).
 
 Pure functions of the records; :mod:`calibration.from_bench` regresses on them and
-:mod:`calibration.validate` replays the same definition in the simulator.
+:mod:`sim.validate` replays the same definition in the simulator.
 """
 
 from __future__ import annotations

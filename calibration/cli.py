@@ -49,9 +49,6 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--output", "-o", metavar="PROFILE_JSON", help="with --from-bench: write the fitted profile here")
     add_bench_fit_flags(cal)
     cal.set_defaults(run=run_calibrate)
-    from calibration.validate_cli import register as register_validate
-
-    register_validate(subparsers)
 
     prof = subparsers.add_parser(
         "profile", help="a latency profile for an unmeasured model from its config.json",

@@ -21,7 +21,6 @@ field belongs to one latency model:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -85,8 +84,4 @@ def load_efficiencies(name_or_path: str) -> HardwareEfficiencies:
         path = efficiencies_path(name_or_path)
     if not path.is_file():
         raise ValueError(f"efficiencies {name_or_path!r} not found ({path}); run `python -m calibration.fit`")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    return HardwareEfficiencies.from_dict(data, str(path))
+    return HardwareEfficiencies.from_dict(jsondata.read_json(path), str(path))

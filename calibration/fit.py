@@ -2,7 +2,7 @@
 
 What is fitted: the hardware-efficiency vector x (one entry per term, each with a unit and a cause,
 see :data:`FIT_TERMS`). Every published metric is linear in x through the closed form
-(calibration.closed_form: the simulator's assembly) and the per-model builders (calibration.build), so
+(calibration.closed_form: the simulator's assembly) and the per-model builders (calibration.compose), so
 
     predicted = c + A x,     minimise  sum_i log(predicted_i / measured_i)^2
                              subject to x >= physical lower bounds
@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from calibration.architecture import Architecture, architecture_from_config_file
-from calibration.build import build_profile
+from calibration.compose import build_profile
 from calibration.closed_form import OVERLAPPED_ASSEMBLY, SERIAL_ASSEMBLY, SHIPPED_ASSEMBLY, Assembly, turn_metrics
 from calibration.efficiencies import HardwareEfficiencies, efficiencies_path
 from calibration.floors import floor_rows
@@ -53,7 +53,7 @@ from calibration.hardware import Hardware, load_hardware
 from calibration.profile import PROFILES_DIR, LatencyProfile
 from calibration.published import MEASURED, BenchmarkShape, PublishedFigure, deployment, load_published
 
-TOLERANCE = 0.03  # the acceptance: every figure within 3 %
+TOLERANCE = 0.03  # the fit's acceptance: every published figure within 3 %
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,11 @@ crosses its own GPU's NICs, so a TP-t instance moves KV at up to t x 50 GB/s.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from calibration import jsondata
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 
@@ -72,8 +73,4 @@ def load_hardware(name_or_path: str) -> Hardware:
     if not path.is_file():
         shipped = sorted(p.stem.removeprefix("hardware_") for p in DATA_DIR.glob("hardware_*.json"))
         raise ValueError(f"hardware {name_or_path!r} not found (shipped: {', '.join(shipped)})")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    return hardware_from_dict(data, str(path), path.stem.removeprefix("hardware_"))
+    return hardware_from_dict(jsondata.read_json(path), str(path), path.stem.removeprefix("hardware_"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -12,6 +13,15 @@ T = TypeVar("T")
 
 def to_json(obj: Any) -> str:
     return json.dumps(dataclasses.asdict(obj), indent=2, sort_keys=True) + "\n"
+
+
+def read_json(path: pathlib.Path, error: type[Exception] = ValueError) -> Any:
+    """The file's JSON; a syntax error is ``error`` naming the file and line (an OSError stays one, for
+    the caller to word)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
 
 
 def from_dict(cls: type[T], data: Any, source: str, what: str) -> T:

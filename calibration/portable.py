@@ -32,8 +32,10 @@ from typing import Any
 from calibration.architecture import Architecture
 from calibration.closed_form import SHIPPED_ASSEMBLY
 from calibration.efficiencies import HardwareEfficiencies
+from calibration.fit import TERM_NAMES, efficiencies_from_vector, target
 from calibration.profile import LatencyProfile
 from calibration.published import MEASURED, MeasuredDeployment
+from calibration.shared_fit import carried_fit, compromise_fit
 
 PHYSICS, FAMILY, ENGINE, ASSUMPTION = "physics", "family", "engine", "assumption"
 
@@ -78,8 +80,6 @@ def kernel_family(arch: Architecture) -> KernelFamily:
 
 def nearest_measured(arch: Architecture) -> MeasuredDeployment | None:
     """The measured deployment whose kernel family is ``arch``'s, or None."""
-    from calibration.fit import target  # the fit's view of a measured model (its architecture)
-
     family = kernel_family(arch)
     for d in MEASURED:
         if kernel_family(target(d.model).arch) == family:
@@ -105,9 +105,6 @@ def carried_efficiencies(arch: Architecture) -> tuple[HardwareEfficiencies, str,
 
 def efficiencies_for(prefill_model: str | None, family: str = "this family") -> tuple[HardwareEfficiencies, str]:
     """The joint fit's engine terms with ``prefill_model``'s prefill terms (None: the compromise's)."""
-    from calibration.fit import TERM_NAMES, efficiencies_from_vector
-    from calibration.shared_fit import carried_fit, compromise_fit
-
     carried = carried_fit()
     if prefill_model is not None:
         x = carried.x[prefill_model].copy()

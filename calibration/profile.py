@@ -36,7 +36,6 @@ The profile implements :class:`impl.policy.KVCostModel` so ``BreakEvenThreshold`
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -181,8 +180,4 @@ class LatencyProfile:
         if not path.is_file():
             shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
             raise ValueError(f"profile {name_or_path!r} not found (shipped: {', '.join(shipped) or 'none'})")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(jsondata.read_json(path), str(path))

@@ -18,8 +18,9 @@ SUBCOMMAND_MODULES = [
     "sim.tune.cli",  # tune
     "sim.trace_cli",  # trace (router trace <-> Mooncake)
     "calibration.cli",  # calibrate, profile
+    "sim.validate_cli",  # validate (replays bench runs through the simulator)
     "impl.router.cli",  # router
-    "impl.bench.cli",  # bench
+    "sim.bench.cli",  # bench
     "impl.deploy.cli",  # deploy
 ]
 

@@ -3,7 +3,7 @@
 Read from ``benchmark_serving_multi_turn.py`` (``client_main``, ``get_client_config``, ``main_mp``;
 https://github.com/vllm-project/vllm/blob/00d395390c6da9baf1080664e8120d9e39956c5e/benchmarks/multi_turn/benchmark_serving_multi_turn.py).
 The rule is plain data in, decision out (:class:`VllmClient`), so the simulator (:func:`start`, simpy)
-and ``bidikv bench`` (:mod:`impl.bench.vllm_clients`, asyncio) run the same one:
+and ``bidikv bench`` (:mod:`sim.bench.vllm_clients`, asyncio) run the same one:
 
 * ``--num-clients`` N (default 1) clients share one queue of conversations in file order, followed by
   one end-of-work signal per client.

@@ -1,4 +1,4 @@
-"""CI runs hypothesis derandomised under the profile tests/conftest.py loads (issue 17, item 5)."""
+"""CI runs hypothesis derandomised under the profile tests/conftest.py loads, so a failure reproduces."""
 
 from __future__ import annotations
 

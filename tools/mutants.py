@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A mutation check we keep (issue 17, item 6): one-line bugs over impl/policy and the router's
+"""A mutation check we keep, because tests once passed with these bugs in: one-line bugs over impl/policy and the router's
 store/guard/expiry path, each applied alone to a temporary copy of the tree, each followed by the fast
 test files that should notice. A mutant the tests do not kill is a *survivor*.
 
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 COPY = ("impl", "sim", "calibration", "tests", "pyproject.toml")
 
 POLICY = ("tests/policy",)
-STORE_BYTES = ("tests/router/test_issue16_store_bytes.py",)  # the byte bound's own tests (issue 16)
+STORE_BYTES = ("tests/router/test_store_bytes.py",)  # the byte bound's own tests
 ROUTER = ("tests/policy/test_store.py", "tests/router/test_flow.py", "tests/router/test_heartbeat.py",
           "tests/router/test_faults.py", "tests/router/test_units.py", "tests/router/test_load_and_state.py",
           "tests/router/test_clocks.py", "tests/router/test_guard_answer.py", "tests/router/test_recorder_stores.py")
@@ -54,10 +54,10 @@ class Mutant:
 
 MUTANTS = [
     # -- impl/policy/store.py ---------------------------------------------------------------------
-    Mutant("store-lru-fifo", "impl/policy/store.py",  # issue 17: survived every test before
+    Mutant("store-lru-fifo", "impl/policy/store.py",  # survived every test before its test was written
            "        self._entries.move_to_end(key)\n        self.stats.hits += 1",
            "        self.stats.hits += 1", POLICY),
-    Mutant("store-purge-current-bucket", "impl/policy/store.py",  # issue 17: survived every test before
+    Mutant("store-purge-current-bucket", "impl/policy/store.py",  # survived every test before its test was written
            "upto = self._bucket(now)  #", "upto = self._bucket(now) + 1  #", POLICY),
     Mutant("store-no-margin", "impl/policy/store.py",
            "    return expires_at - margin_s", "    return expires_at", POLICY),
@@ -106,7 +106,7 @@ MUTANTS = [
     Mutant("text-digest-untagged", "impl/policy/text_prompt.py",
            "return sequence_digest((TEXT_ITEM_TAG, self.text[:n]))", "return sequence_digest((self.text[:n],))", POLICY),
     # -- impl/policy/retention.py -----------------------------------------------------------------
-    Mutant("gap-quantile-round", "impl/policy/retention.py",  # issue 17: survived every test before
+    Mutant("gap-quantile-round", "impl/policy/retention.py",  # survived every test before its test was written
            "rank = max(1, math.ceil(self.quantile * n))", "rank = max(1, round(self.quantile * n))", POLICY),
     Mutant("gap-quantile-drops-smallest", "impl/policy/retention.py",
            "del self._sorted[bisect.bisect_left(self._sorted, oldest)]", "del self._sorted[0]", POLICY),
@@ -159,18 +159,18 @@ MUTANTS = [
            "reused = max(request.cached_tokens.get(inst.name, 0), request.remote_reusable_tokens)",
            "reused = min(request.cached_tokens.get(inst.name, 0), request.remote_reusable_tokens)", POLICY),
     # -- the router's store / guard / expiry path -------------------------------------------------
-    Mutant("router-expiry-from-d-clock-final-chunk", "impl/router/recorder.py",  # issue 17: D's clock as ours
+    Mutant("router-expiry-from-d-clock-final-chunk", "impl/router/recorder.py",  # D's clock taken for ours
            "        else:\n            expires_at = finished_at + ttl\n",
            "        else:\n            expires_at = float(params.get(\"remote_blocks_expiry_time\") or finished_at + ttl)\n",
            ROUTER),
-    Mutant("router-expiry-from-d-clock-notify", "impl/router/recorder.py",  # issue 17: D's clock as ours
+    Mutant("router-expiry-from-d-clock-notify", "impl/router/recorder.py",  # D's clock taken for ours
            "expires_at = min(finished_at + ttl, notification.received_at + notification.expires_in_s)",
            "expires_at = min(finished_at + ttl, float(notification.kv_params[\"remote_blocks_expiry_time\"]))",
            ROUTER),
     Mutant("router-expiry-trusts-longer", "impl/router/recorder.py",
            "expires_at = min(finished_at + ttl, notification.received_at + notification.expires_in_s)",
            "expires_at = max(finished_at + ttl, notification.received_at + notification.expires_in_s)", ROUTER),
-    Mutant("heartbeat-expiry-from-d-clock", "impl/router/heartbeat.py",  # issue 17: same, on the heartbeat path
+    Mutant("heartbeat-expiry-from-d-clock", "impl/router/heartbeat.py",  # D's clock taken for ours, on the heartbeat path
            "expires_at = sent_at + answer[\"expires_in_s\"]", "expires_at = answer[\"expiry_time\"]", ROUTER),
     Mutant("heartbeat-gives-p-router-clock", "impl/router/heartbeat.py",
            "params[\"remote_blocks_expiry_time\"] = answer[\"expiry_time\"]",

@@ -1,3 +1,3 @@
-"""``bidikv bench``: multi-turn conversations against a router (or any OpenAI-compatible URL), from
-the simulator's own workload generators, recording per turn what calibration reads back
-(``bidikv calibrate --from-bench``): observe -> replay -> calibrate share this one JSONL format."""
+"""What a ``bidikv bench`` run records (impl.bench.records, the one JSONL format bench, calibration
+and replay share) and the buckets and percentile every latency table uses (impl.bench.stats). The
+bench command itself is sim.bench: it sends the simulator's workloads."""

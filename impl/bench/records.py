@@ -27,7 +27,7 @@ class BenchRecord:
     decode_instance: str = ""
     error: str = ""
     format: str = FORMAT
-    # output tokens that reached the client in the same read as the first (impl.bench.client.TurnResult);
+    # output tokens that reached the client in the same read as the first (sim.bench.client.TurnResult);
     # None: not recorded (a record written before the field existed), taken as 1, what its TPOT assumed
     first_read_tokens: int | None = None
 

@@ -1,6 +1,6 @@
 """The ON/OFF table: two ``bidikv bench`` JSONLs of the same workload, TTFT side by side by prompt length.
 
-Same buckets and percentile as the simulator's reports (sim.records), so a measured table and a
+Same buckets and percentile as the simulator's reports (impl.bench.stats), so a measured table and a
 simulated one line up. The merged file (``--merged``) holds both runs for ``bidikv calibrate
 --from-bench``: OFF turns pin the prefill terms, ON turns the pull terms (calibration/from_bench.py).
 """
@@ -11,7 +11,7 @@ import math
 from typing import Sequence
 
 from impl.bench.records import BenchRecord, read_jsonl, write_jsonl
-from sim.records import bucket_label, percentile
+from impl.bench.stats import bucket_label, percentile
 
 
 def load_run(path: str, mode: str) -> list[BenchRecord]:

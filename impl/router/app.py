@@ -1,6 +1,6 @@
 """The aiohttp application: routes, authentication, error mapping, lifecycle.
 
-HTTP stack, chosen by benchmarks/router_overhead.py against issue 6's budget (<= 0.6 ms of router
+HTTP stack, chosen by benchmarks/router_overhead.py against the router's overhead budget (<= 0.6 ms of router
 CPU per turn, <= 1 ms added p99 TTFT at c=1, no collapse at 500 concurrent clients). Clients are
 served by aiohttp (C parser; vLLM's example proxy on FastAPI + httpx spends 2.9-3.2 ms per request,
 and at c=500 httpcore's pool scans queued requests x connections on every event). P and D are called
@@ -57,7 +57,8 @@ from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, Not
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import (Endpoint, RequestError, check_context_budget, parse_json_body, parse_turn,
                                  refuse_nested_kv_params)
-from impl.router.stores import MemoryStore, StoreUnavailable, open_store
+from impl.router.store_open import open_store
+from impl.router.stores import MemoryStore, StoreUnavailable
 from impl.router.scrub import scrub_body
 from impl.router.tenants import Tenants, cache_salt_for
 from impl.policy.return_time import LearntRetentionSettings

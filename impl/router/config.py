@@ -31,7 +31,7 @@ class RouterConfig:
     api_keys_env: str = "BIDIKV_API_KEYS"
     metrics_token_env: str = "BIDIKV_METRICS_TOKEN"  # if that variable is set, /metrics needs it
     # With API keys and no metrics token, /metrics is refused: its counters move with every tenant's
-    # traffic, so a tenant reading them learns about the others (issue 16). Opt in to serve them open.
+    # traffic, so a tenant reading them learns about the others. Opt in to serve them open.
     open_metrics: bool = False
     upstream_api_key_env: str = "BIDIKV_UPSTREAM_API_KEY"  # sent to vLLM as a Bearer token
     max_conversations: int = 100_000  # store bound (LRU beyond it)
@@ -46,7 +46,7 @@ class RouterConfig:
     # chat request is KBs; the 8 MB maximum needs ~2.2 Mbit/s to make it. Idle keep-alive 30 s:
     # longer than common client pools keep idle connections (httpx 5 s, aiohttp 15 s), so the router
     # does not close one a client is about to reuse, short enough that idle sockets do not pile up.
-    # 4096 connections: twice the issue's 2,000-idle flood plus headroom; the soft fd limit is raised
+    # 4096 connections: twice the 2,000-idle-connection flood of benchmarks/router_hostile.py plus headroom; the soft fd limit is raised
     # to fit (and a warning logged if the hard limit does not allow it).
     client_header_timeout_s: float = 10.0
     client_body_timeout_s: float = 30.0

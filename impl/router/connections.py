@@ -2,7 +2,7 @@
 
 aiohttp's server has no request-head timeout: a connection that sends nothing, or a head one byte
 at a time (slowloris), is held until its keep-alive timeout (3,630 s in aiohttp 3.14), so only the
-process's file-descriptor limit bounds them (issue 16: 2,000 idle connections, none closed). Every
+process's file-descriptor limit bounds them (measured: 2,000 idle connections, none closed). Every
 client connection therefore runs through a thin protocol (:class:`_Guarded`) in front of aiohttp's
 own, and one sweep over all of them (a few times per shortest timeout) enforces:
 

@@ -68,7 +68,7 @@ from impl.router.metrics import Counter, RouterMetrics
 from impl.router.notify import Notification
 from impl.router.proxy import body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import RequestError, check_conversation_id, parse_json_body
-from impl.router.stores import RouterStore, StoreUnavailable
+from impl.router.stores import MAX_ENGINES, RouterStore, StoreUnavailable
 from impl.router.tenants import Tenants
 
 log = logging.getLogger("bidikv.router")
@@ -76,7 +76,6 @@ log = logging.getLogger("bidikv.router")
 HEARTBEAT_ROUTE = "/v1/conversations/{conversation_id}/heartbeat"
 METRIC_ROUTE = "/v1/conversations/{id}/heartbeat"  # the requests_total label: never the id itself
 MAX_ANSWER_BYTES = 64 * 1024
-MAX_ENGINES = 4096  # listener URLs remembered (engine ids change when a D restarts)
 _NOT_FOUND = "unknown conversation (never stored under this API key, expired, or evicted)"
 
 

@@ -1,4 +1,4 @@
-"""The conversation store in Redis/Valkey: one store for a fleet of router replicas (issue 14).
+"""The conversation store in Redis/Valkey: one store for a fleet of router replicas.
 
 ``bidikv router --store redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://PATH``; the password
 in the URL or in ``$BIDIKV_STORE_PASSWORD``). Same rules as :class:`impl.policy.ConversationStore`,
@@ -63,7 +63,7 @@ from redis.backoff import NoBackoff
 from impl.policy import ConversationEntry, Lookup, MissReason
 from impl.policy.continuation import PromptView
 from impl.policy.store import StoreStats, guard_passes, usable_until
-from impl.router.stores import StoreUnavailable, Versioned
+from impl.router.stores import MAX_ENGINES, StoreUnavailable, Versioned
 
 log = logging.getLogger("bidikv.router")
 
@@ -582,8 +582,6 @@ class RedisStore:
 
     async def remember_listener(self, engine_id: str, url: str) -> None:
         # bounded like the in-process directory: engine ids change when a D restarts
-        from impl.router.heartbeat import MAX_ENGINES
-
         key, order = self.prefix + "listeners", self.prefix + "listeners_order"
 
         async def write() -> None:

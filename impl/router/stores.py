@@ -2,7 +2,7 @@
 
 :class:`impl.policy.ConversationStore` is pure and synchronous (the rules: tenant scoping, expiry
 with margin, the continuation guard, a failed turn keeps its entry, bounded LRU). A router fleet
-needs those same rules on a server every replica reaches (issue 14), so the router talks to this
+needs those same rules on a server every replica reaches, so the router talks to this
 protocol and never to a backend directly:
 
 * :class:`MemoryStore` -- the embedded default: impl.policy's store, wrapped (no I/O, ~1 us a call);
@@ -129,6 +129,8 @@ class MemoryStore:
 
 
 STORE_SCHEMES = ("redis", "rediss", "unix")
+# listener URLs remembered per store, in process or in Redis (engine ids change when a D restarts)
+MAX_ENGINES = 4096
 
 
 def check_store_url(url: str) -> None:
@@ -162,18 +164,3 @@ def redact(url: str) -> str:
     if not at or ":" not in userinfo:
         return url
     return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
-
-
-def open_store(config: Any, environ: dict[str, str] | Any) -> RouterStore:
-    """The store ``config.store`` names (impl.router.config.RouterConfig). Replicas sharing a Redis
-    store should share ``--max-conversations`` too: the bound is enforced by whichever one stores."""
-    if config.store == "memory":
-        return MemoryStore(ConversationStore(max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s,
-                                             max_bytes=config.max_store_bytes))
-    from impl.router.store_redis import RedisStore  # the redis client is imported only when used
-
-    return RedisStore.from_url(config.store, password=environ.get(config.store_password_env) or None,
-                               max_entries=config.max_conversations, expiry_margin_s=config.expiry_margin_s,
-                               timeout_s=config.store_timeout_s, retry_s=config.store_retry_s,
-                               max_connections=config.store_max_connections,
-                               prefix=config.store_prefix, pending_wait_s=config.notify_wait_s)

@@ -1,7 +1,7 @@
 """A small HTTP/1.1 client for the router's calls to P and D: keep-alive pools, streamed bodies.
 
-Why not aiohttp's client (which the router used before): issue 6 budgets <= 0.6 ms of router CPU
-per turn and a turn makes two upstream calls. aiohttp's client spent ~136 us a call on the 2-core
+Why not aiohttp's client (which the router used before): the router's overhead budget is <= 0.6 ms of
+router CPU per turn and a turn makes two upstream calls. aiohttp's client spent ~136 us a call on the 2-core
 machine (request/response objects, multidict headers, URL objects, tracing hooks, a StreamReader per
 body), a bare asyncio HTTP/1.1 exchange ~49 us. This module is that bare exchange plus what the
 router needs around it, and nothing more:

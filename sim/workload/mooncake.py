@@ -43,6 +43,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from impl.bench.stats import percentile
 from sim.workload.model import Conversation, Turn
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -306,17 +307,9 @@ def _gap_stats(gaps: list[float], requests: int, within_s: float) -> GapStats:
         requests=requests,
         continuations=len(gaps),
         continuing_fraction=len(gaps) / requests,
-        p10_s=_percentile(gaps, 10.0),
-        p50_s=_percentile(gaps, 50.0),
-        p90_s=_percentile(gaps, 90.0),
+        p10_s=percentile(gaps, 10.0),
+        p50_s=percentile(gaps, 50.0),
+        p90_s=percentile(gaps, 90.0),
         within_s=within_s,
         fraction_within=sum(gap <= within_s for gap in gaps) / len(gaps),
     )
-
-
-def _percentile(sorted_values: Sequence[float], percent: float) -> float:
-    """Linear interpolation between order statistics (numpy's default method)."""
-    position = (len(sorted_values) - 1) * percent / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from impl.bench.client import run_bench
-from impl.bench.config import BenchConfig
+from sim.bench.client import run_bench
+from sim.bench.config import BenchConfig
 from impl.bench.records import read_jsonl, write_jsonl
 from sim.workload.model import Conversation, Turn
 from tests.router.harness import Deployment

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from impl.bench.client import _turn, turn_record
-from impl.bench.config import BenchConfig
+from sim.bench.client import _turn, turn_record
+from sim.bench.config import BenchConfig
 from impl.bench.records import BenchRecord, read_jsonl, write_jsonl
 from calibration.busy import decode_loads
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from impl.bench.cli import plan_from_args
-from impl.bench.config import BenchConfig
-from impl.bench.vllm_clients import run_vllm_bench
+from sim.bench.cli import plan_from_args
+from sim.bench.config import BenchConfig
+from sim.bench.vllm_clients import run_vllm_bench
 from impl.cli import build_parser
 from sim.bench_clients import VllmClientConfig, config_from_workload
 from sim.cli import config_from_args

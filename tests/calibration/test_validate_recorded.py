@@ -15,7 +15,7 @@ run's deployment.json holds `uptime` before and after).
 
 What each deployment did (offered, pulled) is in the JSONL, from the router's and P's headers: the
 decisions the simulator must match are vLLM's, not this code's. The latency bounds asserted are the
-issue's targets (TTFT median |error| <= 15 %, p90 <= 30 %), met by every held-out run.
+replay's targets (TTFT median |error| <= 15 %, p90 <= 30 %), met by every held-out run.
 
 The OFF runs were recorded after the notify fix (84c2eb6): before it the router held an OFF conversation's
 next turn for the rest of its 2 s notify wait, 0.5-1.8 s on 16 of 32 turns, and OFF's mean TTFT was
@@ -32,8 +32,8 @@ import pytest
 from calibration.bench_settings import settings_for
 from calibration.from_bench import fit_from_runs
 from calibration.profile import LatencyProfile
-from calibration.validate import validate_run
-from calibration.validate_cli import ranking
+from sim.validate import validate_run
+from sim.validate_cli import ranking
 from impl.bench.records import read_jsonl
 from impl.cli import main
 

@@ -1,7 +1,7 @@
 """Run a command the way a person does: attached to a terminal (a pseudo-terminal), with a deadline.
 
 A pipe hides what only happens on a TTY (progress bars, colour, isatty-dependent defaults); the
-simulate hang of issue 12 lived exactly there. stdin, stdout and stderr all get the pty's slave
+simulate command once hung exactly there. stdin, stdout and stderr all get the pty's slave
 side, so ``sys.stderr.isatty()`` is true in the child, as in an interactive shell.
 """
 

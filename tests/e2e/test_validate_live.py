@@ -5,7 +5,7 @@ The decisions (pulled or not, and how many tokens) are the deployment's: the rou
 report in each bench record. The simulator must reproduce every one of them exactly. TTFT and TPOT
 on the shared deployment (a 2-layer model whose prefill costs milliseconds, three vLLM servers and the
 router on two unpinned cores, the rest of the suite's state around it) are bounded loosely: the
-issue's 15 % target is measured on a quiet, pinned rig by ``tests/e2e/record_validate.py`` and
+replay's 15 % target is measured on a quiet, pinned rig by ``tests/e2e/record_validate.py`` and
 reported in the README; here the bound catches a replay that has lost the deployment's shape
 (measured on this machine at load 6 with four other jobs running: TTFT median |error| 65 %, TPOT 69 %;
 a 2-layer model's turns are tens of milliseconds, so a scheduler hiccup is a large share of one).

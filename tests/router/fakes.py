@@ -62,7 +62,7 @@ class FakeVllmUpstream:
     chunk_delay_s: float = 0.0
     # kill_mid_stream | no_done | malformed_final | error_event | stall (D, mid-stream);
     # http_500 | http_500_on_pull | http_400 | slow (before answering)
-    # leaky (issue 16): inject_events (D streams the raw payloads of ``inject`` before [DONE]),
+    # leaky (what must never reach a client): inject_events (D streams the raw payloads of ``inject`` before [DONE]),
     # inject_json (D's JSON answer gets ``inject``'s fields in its choice), http_4xx_body (answers
     # ``inject`` = (status, raw body))
     fault: str | None = None
@@ -313,3 +313,38 @@ class FakeVllmUpstream:
 
     def decode_requests(self) -> list[dict[str, Any]]:
         return [r.body for r in self.received if not self._is_prefill_request(r.body)]
+
+
+@dataclass
+class FakeHeartbeatDecode(FakeVllmUpstream):
+    """A fake D that also runs a heartbeat listener on a port of its own, as the connector does; a
+    subclass answers in ``_heartbeat`` (impl.connector.heartbeat's protocol, not its code) and records
+    in ``held`` the expiry of each request it holds, on its own clock."""
+
+    heartbeats: list[dict[str, Any]] = field(default_factory=list)
+    held: dict[str, float] = field(default_factory=dict)  # D request id -> expiry on D's clock
+    hb_port: int = 0
+    _hb_runner: web.AppRunner | None = None
+
+    async def start(self, port: int = 0) -> "FakeHeartbeatDecode":
+        await super().start(port)
+        app = web.Application()
+        app.router.add_post("/bidikv/heartbeat", self._heartbeat)
+        self._hb_runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._hb_runner.setup()
+        site = web.TCPSite(self._hb_runner, "127.0.0.1", 0)
+        await site.start()
+        self.hb_port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        await self.stop_listener()
+        await super().stop()
+
+    async def stop_listener(self) -> None:
+        if self._hb_runner is not None:
+            await self._hb_runner.cleanup()
+            self._hb_runner = None
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        raise NotImplementedError

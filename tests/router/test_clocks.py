@@ -1,4 +1,4 @@
-"""D's clock is not the router's (issue 17, item 2).
+"""D's clock is not the router's.
 
 ``remote_blocks_expiry_time`` is D's ``time.perf_counter()``: on another host, or a D started at
 another time, it has nothing to do with the router's ``time.monotonic()``. Every other fake D in the
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.router.fakes import D_TTL_S, FakeVllmUpstream
+from tests.router.fakes import D_TTL_S, FakeHeartbeatDecode
 from tests.router.harness import Deployment
 
 LEASE_S = 30.0  # D's lease: far below the router's assumed decoder_kv_blocks_ttl_s (480 s)
@@ -34,35 +34,14 @@ OFFSETS = [-86_400.0, 86_400.0, 600.0]  # D's clock a day behind, a day ahead, t
 
 
 @dataclass
-class OffsetClockDecode(FakeVllmUpstream):
+class OffsetClockDecode(FakeHeartbeatDecode):
     """Fake D on its own clock (see the module docstring)."""
 
     offset_s: float = 0.0
     hold_s: float = D_TTL_S  # how long D holds a finished turn's blocks, in D's seconds
-    held: dict[str, float] = field(default_factory=dict)  # D request id -> expiry on D's clock
-    heartbeats: list[dict[str, Any]] = field(default_factory=list)
-    hb_port: int = 0
-    _hb_runner: web.AppRunner | None = None
 
     def d_clock(self) -> float:
         return self.offset_s + RATE * time.monotonic()
-
-    async def start(self, port: int = 0) -> "OffsetClockDecode":
-        await super().start(port)
-        app = web.Application()
-        app.router.add_post("/bidikv/heartbeat", self._heartbeat)
-        self._hb_runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self._hb_runner.setup()
-        site = web.TCPSite(self._hb_runner, "127.0.0.1", 0)
-        await site.start()
-        self.hb_port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        if self._hb_runner is not None:
-            await self._hb_runner.cleanup()
-            self._hb_runner = None
-        await super().stop()
 
     def _d_params(self, body: dict[str, Any]) -> dict[str, Any]:
         params = super()._d_params(body)

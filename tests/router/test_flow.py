@@ -101,7 +101,7 @@ async def test_other_tenant_with_the_same_conversation_id_gets_nothing():
         r2 = await dep.chat([user("secret"), assistant(r1.answer), user("more")], conversation_id="shared-id", key="key-g")
         assert r2.status == 200
         assert not dep.p.prefill_requests()[1]["kv_transfer_params"].get("remote_block_ids")
-        # exported as unknown: metrics never tell another tenant's id from an unknown one (issue 16)
+        # exported as unknown: metrics never tell another tenant's id from an unknown one (tenant isolation)
         assert dep.router.metrics.reuse_misses.get("unknown") == 2 and dep.router.metrics.reuse_misses.get("tenant") == 0  # r1 and r2
         # the owner still reuses
         await dep.chat([user("secret"), assistant(r1.answer), user("more")], conversation_id="shared-id", key="key-a")

@@ -1,5 +1,5 @@
-"""The continuation guard covers D's answer, for every prompt kind the router stores (issue 17, item 6:
-mutants that store the held sequence without the answer survived every test but the chat one).
+"""The continuation guard covers D's answer, for every prompt kind the router stores (mutants
+that store the held sequence without the answer survived every test but the chat one).
 
 D holds the prompt *and* what it generated; a next turn that resends an edited answer must not be
 offered that KV, whichever way the prompt is given: chat messages, a text prompt, token ids. The

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 from impl.router.heartbeat import HeartbeatDirectory, _parse_answer
 from impl.router.notify import NotifyError, parse_notification
-from tests.router.fakes import FakeVllmUpstream
+from tests.router.fakes import FakeHeartbeatDecode
 from tests.router.harness import Deployment
 
 LEASE_S = 30.0
@@ -37,36 +37,12 @@ def assistant(text: str) -> dict:
 
 
 @dataclass
-class FakeLeaseDecode(FakeVllmUpstream):
+class FakeLeaseDecode(FakeHeartbeatDecode):
     """Fake D with a lease and a fake heartbeat listener (see the module docstring)."""
 
     # None | "down" (listener gone) | "slow" | "busy" (503) | "garbage" | "huge" | "not_held" | "ttl" (held, never renewed)
     hb_fault: str | None = None
     advertise: bool = True  # put heartbeat_url in the notification (the connector does when it listens)
-    heartbeats: list[dict[str, Any]] = field(default_factory=list)
-    held: dict[str, float] = field(default_factory=dict)  # D request id -> expiry on D's clock (perf_counter)
-    hb_port: int = 0
-    _hb_runner: web.AppRunner | None = None
-
-    async def start(self, port: int = 0) -> "FakeLeaseDecode":
-        await super().start(port)
-        app = web.Application()
-        app.router.add_post("/bidikv/heartbeat", self._heartbeat)
-        self._hb_runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self._hb_runner.setup()
-        site = web.TCPSite(self._hb_runner, "127.0.0.1", 0)
-        await site.start()
-        self.hb_port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        await self.stop_listener()
-        await super().stop()
-
-    async def stop_listener(self) -> None:
-        if self._hb_runner is not None:
-            await self._hb_runner.cleanup()
-            self._hb_runner = None
 
     def _d_params(self, body: dict[str, Any]) -> dict[str, Any]:
         params = super()._d_params(body)

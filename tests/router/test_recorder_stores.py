@@ -1,4 +1,4 @@
-"""What the router refuses to store after a turn D finished (issue 17, item 6: each of these survived
+"""What the router refuses to store after a turn D finished (each of these once survived
 every router test as a one-line mutant of impl/router/recorder.py).
 
 The fakes below are scripted D instances (tests.router.fakes) answering in ways a real vLLM D can but

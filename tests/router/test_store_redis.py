@@ -377,7 +377,7 @@ async def test_the_password_comes_from_the_url_or_the_environment():
     server = RedisServer(password="s3cret").start()
     try:
         from impl.router.config import RouterConfig
-        from impl.router.stores import open_store
+        from impl.router.store_open import open_store
 
         base = {"prefill": ("http://p:1",), "decode": ("http://d:1",), "store_prefix": unique_prefix()}
         cases = [({"store": server.url}, {"BIDIKV_STORE_PASSWORD": "s3cret"}, True),

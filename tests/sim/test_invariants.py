@@ -1,4 +1,4 @@
-"""Simulator invariants (numbered as in the simulator issue), on hypothesis-generated small clusters."""
+"""Simulator invariants (numbered in the comments of test_invariants_hold), on hypothesis-generated small clusters."""
 
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
 from impl.bench.records import BenchRecord
+from sim.cluster import Cluster
+from sim.config import SimConfig
 from sim.contention import HostContention, attach
 from sim.records import TurnRecord, percentile
 from sim.workload.model import Conversation, Turn
@@ -107,8 +109,6 @@ def conversations_from_bench(records: Sequence[BenchRecord], timing: str = "thin
 
 
 def sim_config(settings: DeploymentSettings, profile: LatencyProfile, bidirectional: bool) -> Any:
-    from sim.config import SimConfig
-
     config = SimConfig(profile=profile.name, seed=0)
     config.policy.bidirectional = bidirectional
     config.policy.prefix_caching = settings.prefix_caching_on_p
@@ -145,8 +145,6 @@ def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: De
     With ``pool`` timing the conversations run on a pool of as many clients as the bench had
     (:func:`bench_clients`), each taking the next conversation when its last one ends, in the recorded
     order; otherwise each conversation starts at its recorded start."""
-    from sim.cluster import Cluster
-
     modes = {r.mode for r in records}
     if len(modes) != 1:
         raise ValueError(f"a replay is one deployment: the records mix modes {sorted(modes)}")

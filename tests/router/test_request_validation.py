@@ -1,4 +1,4 @@
-"""Issue 16, item 6: the smaller leaks. Internal URLs stay internal, kv_transfer_params is refused at
+"""The smaller leaks. Internal URLs stay internal, kv_transfer_params is refused at
 any depth, NaN/Infinity are not JSON, and a max_tokens beyond the model's context never reaches P or D."""
 
 from __future__ import annotations

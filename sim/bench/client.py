@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 
 import aiohttp
 
-from impl.bench.config import BenchConfig
+from sim.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
 from sim.workload.model import Conversation
 

@@ -1,4 +1,4 @@
-"""Issue 16, item 5: what is the client's fault is counted as the client's, never as a 500 with a
+"""What is the client's fault is counted as the client's, never as a 500 with a
 traceback: a client that leaves mid-body, JSON nested deeper than the bound (refused at parse)."""
 
 from __future__ import annotations

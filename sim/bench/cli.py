@@ -8,8 +8,9 @@ import math
 import os
 from typing import Any, Sequence
 
-from impl.bench.config import BenchConfig
+from sim.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
+from impl.bench.stats import bucket_label, percentile
 
 _BENCH_DEFAULTS = BenchConfig(url="", mode="on")  # the one source of the bench's defaults
 
@@ -77,7 +78,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from impl.bench.client import run_bench
+    from sim.bench.client import run_bench
     from impl.bench.records import write_jsonl
     from sim.workload import VLLM_MULTI_TURN, load_workload
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                          token_id_high=args.token_id_high,
                          run_id=args.run_id if args.run_id is not None else os.urandom(4).hex())
     if workload.get("kind") == VLLM_MULTI_TURN:
-        from impl.bench.vllm_clients import run_vllm_bench
+        from sim.bench.vllm_clients import run_vllm_bench
         from sim.bench_clients import config_from_workload
 
         records = asyncio.run(run_vllm_bench(config, conversations, config_from_workload(workload), num_clients))
@@ -105,14 +106,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    from sim.records import percentile
-
     return percentile(sorted(values), q)
 
 
 def summary_table(records: Sequence[BenchRecord]) -> str:
-    from sim.records import bucket_label
-
     ok = [r for r in records if r.ok and not math.isnan(r.ttft_s)]
     lines = [f"{len(records)} turns, {len(records) - len(ok)} failed; TTFT (ms) by prompt length",
              f"{'prompt':>9}{'turns':>7}{'p50':>9}{'p90':>9}{'reused (P-reported) / prompt':>31}"]

@@ -1,4 +1,4 @@
-"""Issue 16, item 4: no encoding of KV locations reaches a client, from D's stream, D's JSON answer
+"""No encoding of KV locations reaches a client, from D's stream, D's JSON answer
 or P's and D's error bodies. The oracle is a client's own reading (json.loads, \\u escapes decoded,
 keys compared without case), independent of impl.router.scrub."""
 

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import aiohttp
 
-from impl.bench.client import _model_info, _turn, turn_record
-from impl.bench.config import BenchConfig
+from sim.bench.client import _model_info, _turn, turn_record
+from sim.bench.config import BenchConfig
 from impl.bench.records import BenchRecord
 from sim.bench_clients import VllmClient, VllmClientConfig, make_clients
 from sim.rng import stream

@@ -1,4 +1,4 @@
-"""Issue 16, item 3: /metrics is no cross-tenant oracle. With API keys, metrics need their own token
+"""/metrics is no cross-tenant oracle. With API keys, metrics need their own token
 by default, and nothing an observer can read tells "another tenant holds this id" from "unknown id"."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 16, item 2: the conversation store is bounded in bytes, evicting least recently used entries,
+"""The conversation store is bounded in bytes, evicting least recently used entries,
 what it counts is what the entries really take (checked against tracemalloc), and D's block ids are
 held compactly yet handed back exactly."""
 

@@ -1,4 +1,4 @@
-"""Issue 16, item 1: client connections cannot be held forever. Silent and slowloris connections get
+"""Client connections cannot be held forever. Silent and slowloris connections get
 408 and are closed, a kept-alive connection with no new request is closed, a body that does not
 arrive gets 408, connections beyond the cap get 503; every close is counted.
 
