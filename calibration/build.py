@@ -58,6 +58,7 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         eff = efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies)
         family_source = engine_source = f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})"
         same_family = False
+        caveats = hardware_caveats(hw, carried=False)  # given terms are not borrowed, but Neuron is still unknown
     model = name or arch.name
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
