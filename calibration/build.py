@@ -12,9 +12,9 @@ import pathlib
 
 from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.compose import build_profile
-from calibration.efficiencies import HardwareEfficiencies, load_efficiencies
+from calibration.efficiencies import HardwareEfficiencies, efficiencies_path, load_efficiencies
 from calibration.floors import floor_rows
-from calibration.hardware import Hardware, load_hardware
+from calibration.hardware import MEASURED_ON, Hardware, load_hardware
 from calibration.portable import ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
 from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
@@ -35,12 +35,15 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
     """
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     arch = architecture_from_config_file(config_path, kv_cache_dtype=kv_cache_dtype, name=name)
+    caveats: list[str] = []
     if efficiencies is None:
         eff, family_source, engine_source, same_family = _default_efficiencies(arch, hw)
+        caveats = hardware_caveats(hw, carried=_carried_suffix(hw) in engine_source)
     else:
         eff = efficiencies if isinstance(efficiencies, HardwareEfficiencies) else load_efficiencies(efficiencies)
         family_source = engine_source = f"given efficiencies ({efficiencies if isinstance(efficiencies, str) else 'object'})"
         same_family = False
+        caveats = hardware_caveats(hw, carried=False)  # given terms are not borrowed, but Neuron is still unknown
     model = name or arch.name
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
@@ -62,7 +65,31 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         "fields": field_sources(profile, family_source, engine_source),
         "floors": floor_rows(profile, arch, hw, list(DEFAULT_FLOOR_PROMPTS), user_tokens),
     }
+    if caveats:  # only off the measured hardware: a p5en profile stays what it was
+        provenance["hardware_caveats"] = caveats
     return dataclasses.replace(profile, provenance=provenance)
+
+
+def _carried_suffix(hw: Hardware) -> str:
+    return f", fitted on {MEASURED_ON} (H200) measurements and carried over to {hw.key} unfitted"
+
+
+def hardware_caveats(hw: Hardware, *, carried: bool) -> list[str]:
+    """What ``bidikv profile`` must say about a profile built off the measured hardware: the fitted terms
+    were carried over from p5en, and on a Neuron accelerator vLLM's engine overheads are not known."""
+    lines = []
+    if carried:
+        lines.append(f"the engine overheads and efficiencies were fitted on {MEASURED_ON} (H200) measurements and "
+                     f"carried over to {hw.key} ({hw.name}, {hw.accelerator or 'its accelerator'}) unfitted: only "
+                     f"the physics (HBM, FLOP/s, EFA and intra-node link rates of the {hw.key} preset) follows "
+                     f"this hardware, and the expected-error bands below were measured on {MEASURED_ON}, not here")
+    if hw.is_neuron:
+        borrowed = (": the transfer, TTFT and decode step costs below are CUDA-on-H200 values borrowed as "
+                    "placeholders, not estimates for Neuron" if carried else "")
+        lines.append(f"vLLM's engine overheads on Neuron ({hw.accelerator}) are unknown to this project{borrowed}; "
+                     f"--tp counts {hw.accelerator} chips (1..{hw.gpus_per_node}); measure with the bench commands "
+                     "below before trusting any engine term")
+    return lines
 
 
 def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str, str, bool]:
@@ -71,5 +98,9 @@ def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEff
     if hw.key in {d.hardware for d in MEASURED}:
         eff, family_source, same_family = carried_efficiencies(arch)
         return eff, family_source, ENGINE_SOURCE, same_family
-    source = f"{hw.key}'s efficiencies (calibration/data/{hw.key}_efficiencies.json)"
-    return load_efficiencies(hw.key), source, source, False
+    if efficiencies_path(hw.key).is_file():
+        source = f"{hw.key}'s efficiencies (calibration/data/{hw.key}_efficiencies.json)"
+        return load_efficiencies(hw.key), source, source, False
+    # no fit on this hardware: the measured hardware's carried fit, said to be carried (hardware_caveats)
+    eff, family_source, same_family = carried_efficiencies(arch)
+    return eff, family_source + _carried_suffix(hw), ENGINE_SOURCE + _carried_suffix(hw), same_family

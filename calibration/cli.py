@@ -49,6 +49,7 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--output", "-o", metavar="PROFILE_JSON", help="with --from-bench: write the fitted profile here")
     add_bench_fit_flags(cal)
     cal.set_defaults(run=run_calibrate)
+    from calibration.hardware import preset_choices
 
     prof = subparsers.add_parser(
         "profile", help="a latency profile for an unmeasured model from its config.json",
@@ -59,7 +60,10 @@ def register(subparsers: Any) -> None:
                     "that replace the rest.")
     prof.add_argument("--model-config", required=True, metavar="CONFIG_JSON",
                       help="the model's Hugging Face config.json (layers, heads, KV heads, head size)")
-    prof.add_argument("--hardware", default="p5en", help="shipped hardware name or a JSON path (default p5en)")
+    prof.add_argument("--hardware", default="p5en", metavar="NAME|PATH",
+                      help=f"hardware preset: {preset_choices()} (calibration/data/hardware_<name>.json, every "
+                           "value with its source), its instance type (p6-b200.48xlarge) or a JSON path; off p5en "
+                           "the fitted terms are p5en's, carried over (default: %(default)s)")
     prof.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks per instance")
     prof.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
                       help="KV cache element type (auto: the model's dtype) (default: %(default)s)")

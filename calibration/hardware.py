@@ -1,8 +1,14 @@
-"""The hardware facts the latency models use (``data/hardware_<name>.json``; source: AWS EC2 P5en specifications, https://aws.amazon.com/ec2/instance-types/p5/).
+"""The hardware facts the latency models use (``data/hardware_<name>.json``), one preset per instance type.
 
-Peak FLOP/s are dense (no sparsity) per GPU, by the dtype the matmuls run in; the EFA rate is per GPU
-(p5en: 3,200 Gbps over 8 GPUs = 400 Gbps = 50 GB/s each), and each TP rank's share of a KV transfer
-crosses its own GPU's NICs, so a TP-t instance moves KV at up to t x 50 GB/s.
+Shipped presets (:data:`PRESETS`): ``p5`` (p5.48xlarge, 8x H100 SXM), ``p5e`` (p5e.48xlarge, 8x H200),
+``p5en`` (p5en.48xlarge, 8x H200: the hardware every published figure this project fits was measured
+on), ``p6-b200`` (p6-b200.48xlarge, 8x B200) and ``trn2`` (trn2.48xlarge, 16x Trainium2). Each file cites
+the page every value comes from (``_sources``: field -> URL) and says in ``_notes`` what no source gave.
+
+Peak FLOP/s are dense (no sparsity) per accelerator, by the dtype the matmuls run in; the EFA rate is per
+accelerator (p5en: 3,200 Gbps over 8 GPUs = 400 Gbps = 50 GB/s each), and each TP rank's share of a KV
+transfer crosses its own accelerator's NICs, so a TP-t instance moves KV at up to t x 50 GB/s. On trn2 the
+``*_per_gpu`` fields mean per Trainium2 chip and ``nvlink_bytes_per_s_per_gpu`` is NeuronLink's.
 """
 
 from __future__ import annotations
@@ -15,6 +21,11 @@ from calibration import jsondata
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 
+# The shipped presets, in the order the CLI lists them: short name -> instance type.
+PRESETS: dict[str, str] = {"p5": "p5.48xlarge", "p5e": "p5e.48xlarge", "p5en": "p5en.48xlarge",
+                           "p6-b200": "p6-b200.48xlarge", "trn2": "trn2.48xlarge"}
+MEASURED_ON = "p5en"  # the hardware the published figures (and so every fitted efficiency) were measured on
+
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
@@ -26,6 +37,12 @@ class Hardware:
     dense_flops_per_s_per_gpu: Mapping[str, float]  # by dtype: "bf16", "fp8"
     efa_bytes_per_s_per_gpu: float
     nvlink_bytes_per_s_per_gpu: float
+    accelerator: str = ""  # the file's "gpu" field: "H200", "B200", "Trainium2"
+
+    @property
+    def is_neuron(self) -> bool:
+        """An AWS Trainium/Inferentia accelerator: vLLM runs there on the Neuron backend, not CUDA."""
+        return self.accelerator.lower().startswith(("trainium", "inferentia"))
 
     def peak_flops_per_s(self, dtype: str, tp: int) -> float:
         key = "bf16" if dtype in ("bf16", "fp16") else dtype
@@ -62,15 +79,31 @@ def hardware_from_dict(data: Mapping[str, Any], source: str, key: str) -> Hardwa
                     hbm_bytes_per_s_per_gpu=float(data["hbm_bytes_per_s_per_gpu"]),
                     dense_flops_per_s_per_gpu={k: float(v) for k, v in data["dense_flops_per_s_per_gpu"].items()},
                     efa_bytes_per_s_per_gpu=float(data["efa_bytes_per_s_per_gpu"]),
-                    nvlink_bytes_per_s_per_gpu=float(data["nvlink_bytes_per_s_per_gpu"]))
+                    nvlink_bytes_per_s_per_gpu=float(data["nvlink_bytes_per_s_per_gpu"]),
+                    accelerator=str(data.get("gpu", "")))
+
+
+def preset_choices() -> str:
+    """The shipped preset names, as the CLI lists them."""
+    return ", ".join(PRESETS)
+
+
+def _preset_key(name: str) -> str | None:
+    if name in PRESETS:
+        return name
+    for key, instance in PRESETS.items():
+        if name == instance:
+            return key
+    return None
 
 
 def load_hardware(name_or_path: str) -> Hardware:
-    """``p5en`` (shipped: ``data/hardware_p5en.json``) or a path to a JSON file of the same shape."""
-    path = pathlib.Path(name_or_path)
-    if not path.suffix:
-        path = DATA_DIR / f"hardware_{name_or_path}.json"
+    """A shipped preset by short name (``p6-b200``) or instance type (``p6-b200.48xlarge``), or a path
+    to a JSON file of the same shape."""
+    key = _preset_key(name_or_path)
+    path = DATA_DIR / f"hardware_{key}.json" if key else pathlib.Path(name_or_path)
     if not path.is_file():
-        shipped = sorted(p.stem.removeprefix("hardware_") for p in DATA_DIR.glob("hardware_*.json"))
-        raise ValueError(f"hardware {name_or_path!r} not found (shipped: {', '.join(shipped)})")
-    return hardware_from_dict(jsondata.read_json(path), str(path), path.stem.removeprefix("hardware_"))
+        raise ValueError(f"unknown hardware {name_or_path!r}: choose one of {preset_choices()} "
+                         f"(or the instance type, e.g. {PRESETS['p6-b200']}), or give the path of a hardware "
+                         f"JSON file")
+    return hardware_from_dict(jsondata.read_json(path), str(path), key or path.stem.removeprefix("hardware_"))

@@ -2,7 +2,9 @@
 
 Three parts, from data, never from fixed text:
 
-* every field by kind (calibration.portable): exact physics, carried over from which fit, assumed;
+* every field by kind (calibration.portable): exact physics, carried over from which fit, assumed; off
+  the measured hardware (p5en), a warning first that the fitted terms were carried over from it, and on a
+  Neuron accelerator (trn2) that vLLM's engine overheads there are unknown (calibration.build);
 * the expected error, from the leave-one-model-out report (calibration.loo, computed on the spot): the
   same-family held-out model (Llama-3.3-70B from Qwen3-32B's fit) and the cross-family pair (Qwen3-32B
   <-> GLM-5-FP8), and which of the two applies to this profile;
@@ -98,8 +100,9 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
     def listing(kind: str) -> str:
         return ", ".join(f"{r['field']} {_value(r['field'], r['value'])}" for r in by_kind[kind])
 
-    lines = [f"{profile.name}: what to trust (kernel family {prov['kernel_family']}; calibration/README.md)",
-             f"  exact (config.json x {prov['hardware']}): {listing(PHYSICS)}, and the floors above",
+    lines = [f"{profile.name}: what to trust (kernel family {prov['kernel_family']}; calibration/README.md)"]
+    lines += [f"  WARNING: {caveat}" for caveat in prov.get("hardware_caveats", [])]  # off p5en only
+    lines += [f"  exact (config.json x {prov['hardware']}): {listing(PHYSICS)}, and the floors above",
              f"  prefill terms from {prov['carried_from']}: {listing(FAMILY)}",
              f"  engine terms from {prov['engine_terms_from']}: {listing(ENGINE)}",
              f"  assumed, never fitted on {prov['hardware']}: {listing(ASSUMPTION)}"]
