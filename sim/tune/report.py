@@ -151,17 +151,19 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
               "--decode", *(f"http://D{i}:{DECODE_HTTP_PORT}" for i in range(num_decode)), "--port", str(ROUTER_PORT)]
     if retention == "ttl" and not off:
         router += ["--decoder-kv-blocks-ttl-s", f"{ttl:g}"]
+    learnt_flags: list[str] = []
     if learnt and not off:
         budget = int(pol["learnt_budget_pct"] / 100.0 * decode_kv_tokens)
-        router += ["--learnt-retention-budget-tokens", str(max(budget, 1)),
-                   "--learnt-retention-fallback-s", f"{pol.get('learnt_fallback_s', 480.0):g}"]
+        learnt_flags = ["--learnt-retention-budget-tokens", str(max(budget, 1)),
+                        "--learnt-retention-fallback-s", f"{pol.get('learnt_fallback_s', 480.0):g}"]
+        router += learnt_flags
     # deploy.toml's [connector] is one table for P and D, without bidirectional_kv_xfer (its --mode sets it)
     connector = {k: v for k, v in {**p_extra, **d_extra}.items() if k != "bidirectional_kv_xfer"}
     if retention == "ttl":
         connector["bidikv_retention"] = "ttl"  # the recipe's table may name another retention
     out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode,
            "router_command": shlex.join(router), "router_argv": router, "deploy_connector": connector,
-           "deploy_mode": "off" if off else "on"}
+           "deploy_mode": "off" if off else "on", "deploy_router_extra_args": learnt_flags}
     if retention == "lease":
         out["caveat"] = (f"the lease is renewed only by heartbeats: D listens on bidikv_heartbeat_port ({HEARTBEAT_PORT} "
                          "here: any port the router can reach, plus the engine's data-parallel index) and tells the "
@@ -169,6 +171,10 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
                          f"every {pol['heartbeat_interval_s']:g} s while a conversation is live. A client that does "
                          f"not heartbeat gets a {pol['lease_s']:g} s TTL")
     return out
+
+
+def pol_ttl(point: Point) -> float:
+    return point.candidate.policy.get("decoder_kv_blocks_ttl", 480.0)
 
 
 def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>",
@@ -189,8 +195,10 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
         f"  router:  {s['router_command']}   (P0.., D0..: your instances' addresses)",
         *(["  that is bidirectional transfer OFF: D keeps no blocks for P to read back"] if s["deploy_mode"] == "off"
           else []),
-        f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}; run its scripts with --mode "
-        f"{s['deploy_mode']}",
+        f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}"
+        + (f", and in [router] extra_args = {json.dumps(s['deploy_router_extra_args'])} (without them D keeps "
+           f"every turn for its {pol_ttl(chosen):g} s TTL)" if s["deploy_router_extra_args"] else "")
+        + f"; run its scripts with --mode {s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
         *([f"  reuse:   D's tokens offered {m['tokens_offered']:,}, verified {m['tokens_verified']:,} (equal to the "
            f"prompt's token ids), pulled {m['tokens_pulled']:,}"] if (m := chosen.metrics).get("tokens_offered") else []),

@@ -83,11 +83,15 @@ def test_the_heartbeat_port_is_not_a_port_the_recipe_already_uses():
                           == HEARTBEAT_PORT for s in leases)
 
 
-def _deploy_toml_with(connector: dict, path: pathlib.Path) -> pathlib.Path:
-    """The shipped recipe with the recommendation's [connector] keys set, as the printed hint says."""
+def _deploy_toml_with(connector: dict, path: pathlib.Path, router_extra_args: list | None = None) -> pathlib.Path:
+    """The shipped recipe with the recommendation's [connector] keys (and [router] extra_args) set, as the
+    printed hint says."""
     text = (ROOT / "impl/deploy/deploy.toml").read_text()
     head, rest = text.split("\n[connector]", 1)
     _, tail = rest.split("\n[router]", 1)
+    if router_extra_args:
+        before, after = tail.split("extra_args = []", 1)
+        tail = f"{before}extra_args = {json.dumps(router_extra_args)}{after}"
     table = dict(tomllib.loads(text)["connector"])
     table.update(connector)
     body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
@@ -98,11 +102,12 @@ def _deploy_toml_with(connector: dict, path: pathlib.Path) -> pathlib.Path:
 def test_deploy_check_accepts_every_recommendation(tmp_path, capsys):
     seen = set()
     for c, s in _settings():
-        key = json.dumps(s["deploy_connector"], sort_keys=True)
+        key = json.dumps([s["deploy_connector"], s["deploy_router_extra_args"]], sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
-        path = _deploy_toml_with(s["deploy_connector"], tmp_path / f"deploy{len(seen)}.toml")
+        path = _deploy_toml_with(s["deploy_connector"], tmp_path / f"deploy{len(seen)}.toml",
+                                 s["deploy_router_extra_args"])
         assert main(["deploy", "check", "--config", str(path)]) == 0, (c.label, capsys.readouterr())
         out = capsys.readouterr().out
         assert ": OK" in out, out
@@ -149,6 +154,9 @@ def test_the_learnt_retention_is_asked_by_the_router_and_read_by_our_connector()
     argv = s["router_argv"]
     assert argv[argv.index("--learnt-retention-budget-tokens") + 1] == str(DECODE_KV_TOKENS // 2)
     assert argv[argv.index("--decoder-kv-blocks-ttl-s") + 1] == "3605"
+    assert s["deploy_router_extra_args"] == argv[argv.index("--learnt-retention-budget-tokens"):]
+    text = recommendation_text(Point(c, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)
+    assert "[router] extra_args = " in text and "--learnt-retention-budget-tokens" in text.split("impl/deploy")[1]
     with pytest.raises(ValueError, match="decode KV tokens"):
         vllm_settings(Point(c, {}), PROFILE, TOPOLOGY)
 
