@@ -655,7 +655,9 @@ async def test_router_sends_headers_at_once_when_d_is_slow_to_its_first_event():
 async def test_router_with_a_bounded_upstream_pool_serves_every_turn():
     from tests.router.harness import Deployment
 
-    async with Deployment(upstream_max_connections=2, n_prefill=1, n_decode=1) as dep:
+    # the connect timeout is wall time on the one event loop the router, the fakes and the clients share:
+    # the harness's 1 s is short of what a loaded CI machine gives 20 concurrent turns (a 504 was seen)
+    async with Deployment(upstream_max_connections=2, n_prefill=1, n_decode=1, connect_timeout_s=10.0) as dep:
         dep.d.chunk_delay_s = 0.005  # D streams hold their connection a while
 
         async def turn(i: int) -> None:
