@@ -1,7 +1,7 @@
 """Learnt per-turn retention against the best fixed TTL and lease chosen in hindsight, within one memory budget.
 
 Run: python benchmarks/learnt_retention.py [--trace path/to/conversation_trace.jsonl] [--presets synthetic,agentic,...]
-     [--budget-pct 50] [--workers 2]
+     [--budget-pct 50] [--workers 2] [--write-docs docs/results/learnt-retention.md]
 
 For each workload (the Mooncake conversation trace on 4P4D, Qwen3-32B profile, as the README's tuning table;
 each workload preset on the default 1P1D): bidirectional OFF, the clairvoyant oracle, fixed TTLs and heartbeat
@@ -106,7 +106,7 @@ def feature_table(trace: str) -> None:
             print(f"    {value:<12} {len(members):>6,} turns  returns {share * 100:5.1f} %  {quantiles}")
 
 
-def feature_ceiling(trace: str) -> None:
+def feature_ceiling(trace: str) -> tuple[float, list[tuple[str, int, float]]]:
     """How much any per-group hold could keep with the features the estimate groups by, chosen in
     hindsight: per group the bin edge (or no hold) that a single price makes best, at the memory a
     fixed 180 s TTL spends, from the trace alone (memory: a turn's tokens x min(gap, hold + 5 s);
@@ -157,6 +157,7 @@ def feature_ceiling(trace: str) -> None:
     def gap_bucket(g, edges=PREVIOUS_GAP_EDGES_S):
         return -1 if g is None else bisect.bisect_right(edges, g)
 
+    rows: list[tuple[str, int, float]] = []
     print(f"\nthe most any hold per group keeps, chosen in hindsight, at a 180 s TTL's memory (trace alone; "
           f"the 180 s TTL: {fixed / oracle * 100:.1f} % of the oracle's reuse):")
     for name, key in (("one group (a fixed TTL)", lambda t: 0),
@@ -168,6 +169,8 @@ def feature_ceiling(trace: str) -> None:
                       ("knowing whether the conversation returns", lambda t: t[1] < math.inf)):
         groups, share = best(key)
         print(f"  {name:<44} {groups:>3} groups  {share:5.1f} %")
+        rows.append((name, groups, share))
+    return fixed / oracle * 100, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,14 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-pct", type=float, default=50.0,
                     help="retained decode KV allowed on average, in percent of all decode KV memory")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--write-docs", metavar="MARKDOWN",
+                    help="also write the tables into this page, between its generated-section markers "
+                         "(docs/results/learnt-retention.md)")
     args = ap.parse_args(argv)
+    command = f"python benchmarks/learnt_retention.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    load_before = os.getloadavg()[0]
 
-    print(f"command: python benchmarks/learnt_retention.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  machine: {platform.node()} {os.cpu_count()} cores  "
-          f"load before: {os.getloadavg()[0]:.2f}")
+    print(f"command: {command}")
+    date = time.strftime('%Y-%m-%d %H:%M %Z')
+    print(f"date: {date}  machine: {platform.node()} {os.cpu_count()} cores  load before: {load_before:.2f}")
+    ceiling = None
     if args.trace:
         feature_table(args.trace)
-        feature_ceiling(args.trace)
+        ceiling = feature_ceiling(args.trace)
 
     from calibration.profile import LatencyProfile
     from sim.tune.grid import LEARNT_D_TTL_S
@@ -214,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {(w, label): (fig, cpu) for w, label, fig, cpu in pool.map(_one, jobs)}
 
     summary_rows = []
+    tables: list[tuple[str, float, list[tuple[str, dict]]]] = []  # per workload: name, budget GB, (label, figures)
     for name, base in workloads:
         decode_gb = profile.decode_blocks() * block_gb * base["num_decode"]
         budget_gb = args.budget_pct / 100.0 * decode_gb
@@ -224,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'configuration':<14}{'TTFT p50':>11}{'p90':>12}{'retained %':>11}{'HBM TB*s':>10}{'oracle %':>9}"
               f"{'D wait s':>12}{'fits':>6}{'cpu s':>7}")
         best: tuple[float, str] | None = None
+        rows: list[tuple[str, dict]] = []
+        tables.append((name, decode_gb, rows))
         for w, label, _, _ in jobs:
             if w != name:
                 continue
             m, cpu = results[(w, label)]
+            rows.append((label, m))
             mean_gb = m["retained_hbm_gb_s"] / m["sim_time_s"] if m["sim_time_s"] > 0 else 0.0
             share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
             fits = mean_gb <= budget_gb and m["rejected"] == 0 and m["d_wait_total_s"] == 0
@@ -252,8 +265,59 @@ def main(argv: list[str] | None = None) -> int:
               f"{learnt['share'] - best_share:>+11.1f}{'yes' if learnt['fits'] else 'no':>12}")
     print("(retained %: mean retained decode KV over the run, of all decode KV memory; oracle %: share of the oracle's "
           "compute saving over OFF; fits: within the budget, no turn waited at D for blocks, nothing rejected)")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
+    load_after = os.getloadavg()[0]
+    print(f"load after: {load_after:.2f}")
+    if args.write_docs:
+        if args.trace:  # the page names the trace, not where it sits on this machine
+            command = command.replace(args.trace, f"path/to/{Path(args.trace).name}")
+        text = markdown(command, f"{date}, {os.cpu_count()} cores, 1-minute load {load_before:.2f} before and "
+                                 f"{load_after:.2f} after", args.budget_pct, tables, summary_rows, ceiling)
+        write_between_markers(Path(args.write_docs), text)
+        print(f"wrote the tables into {args.write_docs}")
     return 0
+
+
+BEGIN = "<!-- generated by benchmarks/learnt_retention.py --write-docs: begin -->"
+END = "<!-- generated by benchmarks/learnt_retention.py --write-docs: end -->"
+
+
+def markdown(command: str, when: str, budget_pct: float, tables, summary_rows, ceiling) -> str:
+    out = [f"Generated by `{command}` ({when}).", ""]
+    for name, decode_gb, rows in tables:
+        if not name.startswith("mooncake"):
+            continue
+        out += [f"**{name}**, budget {budget_pct:g} % of {decode_gb:,.0f} GB of decode KV retained on average:", "",
+                "| configuration | TTFT p50 ms | p90 ms | retained % | HBM TB·s | oracle's saving % | D wait s | fits |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for label, m in rows:
+            out.append(f"| {label} | {m['ttft_p50_ms']:,.0f} | {m['ttft_p90_ms']:,.0f} | {m['mean_pct']:.1f} | "
+                       f"{m['retained_hbm_gb_s'] / 1e3:,.1f} | {m['share']:.1f} | {m['d_wait_total_s']:,.0f} | "
+                       f"{'yes' if m['fits'] else 'no'} |")
+        out.append("")
+    if ceiling is not None:
+        fixed, rows = ceiling
+        out += [f"The most any hold per group could keep, chosen in hindsight from the trace alone, at the memory a "
+                f"fixed 180 s TTL spends (that TTL: {fixed:.1f} % of the oracle's reuse on the same count):", "",
+                "| groups | how many | most kept (% of the oracle's reuse) |", "| --- | ---: | ---: |"]
+        out += [f"| {name} | {groups} | {share:.1f} |" for name, groups, share in rows]
+        out.append("")
+    out += ["The learnt retention against the best fixed TTL or lease that fits, chosen in hindsight:", "",
+            "| workload | best fixed | its saving % | learnt saving % | difference | learnt fits |",
+            "| --- | --- | ---: | ---: | ---: | --- |"]
+    for name, best, learnt in summary_rows:
+        best_share, best_label = best if best else (math.nan, "-")
+        out.append(f"| {name} | {best_label} | {best_share:.1f} | {learnt['share']:.1f} | "
+                   f"{learnt['share'] - best_share:+.1f} | {'yes' if learnt['fits'] else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
+def write_between_markers(path: Path, text: str) -> None:
+    page = path.read_text()
+    if page.count(BEGIN) != 1 or page.count(END) != 1 or page.index(BEGIN) > page.index(END):
+        raise SystemExit(f"{path}: needs one {BEGIN!r} line and one {END!r} line after it")
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
 
 
 if __name__ == "__main__":
