@@ -35,7 +35,10 @@ def test_a_recorded_router_trace_replays_with_the_routers_decisions(e2e: E2E, tm
         named = [unique_system("trace-id"), {"role": "user", "content": "Explain volcanoes and magma in depth. " * 4}]
         cid = f"trace-{uuid.uuid4().hex}"
         for k in range(2):
-            text = chat(router.url, named, max_tokens=48, conversation_id=cid).text
+            # with D's usage on the stream the trace counts D's tokens; without it, the pieces streamed, and a
+            # random-weight model's tokens can stream as empty pieces (an incomplete UTF-8 character)
+            text = chat(router.url, named, max_tokens=48, conversation_id=cid,
+                        stream_options={"include_usage": True}).text
             named += [{"role": "assistant", "content": text}, {"role": "user", "content": "More, please. " * 6}]
     finally:
         router.stop()  # SIGTERM: the router writes what is queued and exits
