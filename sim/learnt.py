@@ -25,15 +25,16 @@ class LearntHolds:
     def arrived(self, key: Any, turn: int, now: float) -> None:
         # in the simulator a conversation keeps one key, so a later turn returns under it
         hold, group = self.policy.arrived(key[0], key if turn > 0 else None, turn, now)
-        held_s = min(hold.retention_s, self.cap_s)
-        self._turns[key] = (held_s, group)
-        if not hold.learnt:
+        hold = hold.capped(self.cap_s)
+        self._turns[key] = (hold.retention_s, group)
+        kind = hold.kind
+        if kind == "fallback":
             self.fallback += 1
-        elif held_s == 0.0:
+        elif kind == "none":
             self.freed_at_once += 1
         else:
             self.learnt += 1
-        self.retention_s_total += held_s
+        self.retention_s_total += hold.retention_s
 
     def expiry_for(self, key: Any, now: float) -> float:
         return now + self._turns[key][0]

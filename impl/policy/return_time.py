@@ -137,7 +137,7 @@ class ReturnEstimator:
     whole bin has passed.) ``advance(now)`` moves open turns across the edges they passed (called by the
     other methods, so callers need not)."""
 
-    __slots__ = ("edges", "_starts", "_widths", "max_open", "prior_weight", "_open", "_queues", "_counts",
+    __slots__ = ("edges", "_starts", "widths", "max_open", "prior_weight", "_open", "_queues", "_counts",
                  "_tenant_counts", "returns_by_tenant", "censored", "_clock")
 
     def __init__(self, edges_s: tuple[float, ...] = DEFAULT_EDGES_S, *, max_open: int = 200_000,
@@ -150,7 +150,7 @@ class ReturnEstimator:
             raise ValueError(f"prior_weight must be a finite number >= 0, got {prior_weight!r}")
         self.edges = tuple(float(e) for e in edges_s)
         self._starts = (0.0,) + self.edges[:-1]
-        self._widths = [e - s for s, e in zip(self._starts, self.edges)]
+        self.widths = [e - s for s, e in zip(self._starts, self.edges)]  # each bin's width, seconds
         self.max_open = max_open
         self.prior_weight = float(prior_weight)
         self._open: collections.OrderedDict[Hashable, _Open] = collections.OrderedDict()  # oldest finish first
@@ -267,7 +267,7 @@ class ReturnEstimator:
         seen -- not read as "nobody returns then", nor as "as often as in the first minute" (rates fall
         with the gap)."""
         m = self.prior_weight
-        widths = self._widths
+        widths = self.widths
         now = self._clock
         pooled = self._tenant_counts.get(tenant)
         own = self._counts.get(group)
@@ -305,7 +305,7 @@ class ReturnEstimator:
             return 0
         m, now = max(self.prior_weight, 1.0), self._clock
         seen = 0
-        for j, w in enumerate(self._widths):
+        for j, w in enumerate(self.widths):
             if pooled.exposure_at(j, now) >= m * w:
                 seen = j + 1
         return seen
@@ -365,6 +365,15 @@ class Hold:
     return_chance: float
     learnt: bool  # False: the tenant has too few returns yet, this is the fallback TTL
 
+    @property
+    def kind(self) -> str:
+        """"fallback" (too few returns yet), "none" (not worth its memory: freed at once) or "learnt"."""
+        return "fallback" if not self.learnt else "none" if self.retention_s == 0.0 else "learnt"
+
+    def capped(self, d_ttl_s: float) -> "Hold":
+        """The hold D applies: D keeps no turn longer than its own TTL, whatever it is asked."""
+        return self if self.retention_s <= d_ttl_s else Hold(d_ttl_s, self.return_chance, self.learnt)
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -391,7 +400,7 @@ class LearntRetention:
     ratio, ``correction``): feedback from what was held, not from a second model."""
 
     __slots__ = ("settings", "estimator", "price", "correction", "_planned", "_window", "_since_refresh", "_plans",
-                 "_widths", "_held_now", "_held_integral", "_held_clock", "_held_open", "_held_expiries", "_held_seq",
+                 "_held_now", "_held_integral", "_held_clock", "_held_open", "_held_expiries", "_held_seq",
                  "_refreshed_at", "_integral_at_refresh", "_mix")
 
     def __init__(self, settings: LearntRetentionSettings | None = None) -> None:
@@ -407,8 +416,6 @@ class LearntRetention:
         self._plans: dict[tuple[Hashable, Hashable], _Plan] = {}
         # groups whose turns take the longer of two plans in a share of cases: [longer plan, share, carried]
         self._mix: dict[tuple[Hashable, Hashable], list] = {}
-        edges = settings.edges_s
-        self._widths = [edges[0]] + [edges[j] - edges[j - 1] for j in range(1, len(edges))]
         # the ledger: what is held now by this policy's own account, its time integral, and the holds
         # open (key -> (size, sequence number)) with their ends in a heap (stale entries skipped)
         self._held_now = 0.0
@@ -487,7 +494,7 @@ class LearntRetention:
             return Hold(s.fallback_s, math.nan, False)
         plan = self._plans.get((tenant, group))
         if plan is None:
-            plan = self._plans[(tenant, group)] = self._plan(tenant, group, self.price)
+            plan = self._plans[(tenant, group)] = self._plan(self._estimate(tenant, group), self.price)
         mix = self._mix.get((tenant, group))
         if mix is not None:  # error diffusion: exactly the share, deterministically spread over its turns
             mix[2] += mix[1]
@@ -498,19 +505,24 @@ class LearntRetention:
             return Hold(0.0, 0.0, True)
         return Hold(s.edges_s[plan.last_bin] + s.margin_s, plan.return_chance, True)
 
-    def _plan(self, tenant: Hashable, group: Hashable, price: float) -> _Plan:
+    def _estimate(self, tenant: Hashable, group: Hashable) -> tuple[list[float], int]:
+        """What a plan is made from: the group's hazards now and how many bins the tenant has seen."""
+        return self.estimator.hazards(tenant, group), self.estimator.seen_bins(tenant)
+
+    def _plan(self, estimate: tuple[list[float], int], price: float) -> _Plan:
         """The bin edge that maximises P(return by it) - price * E[hold up to it]; the earliest on ties
         (no block-second is spent where nothing more is expected)."""
         best = _Plan(-1, 0.0, 0.0)
         best_value = 0.0
         survive, hold, margin = 1.0, 0.0, self.settings.margin_s
-        hazards = self.estimator.hazards(tenant, group)
+        widths = self.estimator.widths
+        hazards, seen = estimate
         if price > 0:
             # memory is scarce: none of it on gaps longer than those seen, which a young deployment knows
             # only by extrapolation (free memory may go there: its price is 0)
-            hazards = hazards[:self.estimator.seen_bins(tenant)]
+            hazards = hazards[:seen]
         for j, h in enumerate(hazards):
-            hold += survive * self._widths[j] * (1.0 - h / 2.0)  # returns in a bin come, on average, halfway
+            hold += survive * widths[j] * (1.0 - h / 2.0)  # returns in a bin come, on average, halfway
             survive *= 1.0 - h
             held = hold + survive * margin  # the margin P needs is held too, by every turn not back by then
             value = (1.0 - survive) - price * held
@@ -542,9 +554,10 @@ class LearntRetention:
         blocks_by_group: dict[tuple[Hashable, Hashable], float] = collections.defaultdict(float)
         for tenant, group, blocks, _ in window:
             blocks_by_group[(tenant, group)] += blocks
+        estimates = {tg: self._estimate(*tg) for tg in blocks_by_group}  # the same at every price tried
 
         def held(price: float) -> float:
-            return sum(b * self._plan(t, g, price).expected_hold_s for (t, g), b in blocks_by_group.items()) / span
+            return sum(b * self._plan(estimates[tg], price).expected_hold_s for tg, b in blocks_by_group.items()) / span
 
         budget = self.settings.budget_size / (self.correction if self.correction > 0 else 1.0)
         free = held(0.0)
@@ -567,10 +580,10 @@ class LearntRetention:
         held_lo = held(10.0 ** lo)
         if held_lo > held_hi:
             share = (budget - held_hi) / (held_lo - held_hi)
-            for t, g in blocks_by_group:
-                longer = self._plan(t, g, 10.0 ** lo)
-                if longer.last_bin != self._plan(t, g, self.price).last_bin:
-                    self._mix[(t, g)] = [longer, share, 0.0]
+            for tg, estimate in estimates.items():
+                longer = self._plan(estimate, 10.0 ** lo)
+                if longer.last_bin != self._plan(estimate, self.price).last_bin:
+                    self._mix[tg] = [longer, share, 0.0]
             self._planned = held_hi + share * (held_lo - held_hi)
 
     def expected_held(self) -> float:

@@ -78,6 +78,14 @@ class TurnRequest:
     history_candidates: tuple[str, ...] = ()
     _history: HistoryKeys | PrefixAnchors | None = None
 
+    def answers_in_history(self) -> int:
+        """How many answers the request resends (a chat request's assistant messages; 0 otherwise): the
+        turn's index in its conversation as far as the request itself tells."""
+        messages = self.body.get("messages") if self.prompt_kind == "chat" else None
+        if not isinstance(messages, list):
+            return 0
+        return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+
     @property
     def store_id(self) -> str | None:
         """The conversation part of the key a lookup tries first: the id, or the most recent history key."""

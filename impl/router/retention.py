@@ -71,9 +71,8 @@ class RouterRetention:
         index = self._index(turn, looked_up)
         price_before = self.policy.price
         hold, group = self.policy.arrived(tenant, looked_up, index, now)
-        kind = "fallback" if not hold.learnt else "none" if hold.retention_s == 0.0 else "learnt"
         m = self.metrics
-        m.learnt_holds.inc(kind)
+        m.learnt_holds.inc(hold.kind)
         m.learnt_hold_seconds.inc(amount=hold.retention_s)
         if hold.learnt:
             m.learnt_expected_returns.inc(amount=hold.return_chance)
@@ -83,7 +82,7 @@ class RouterRetention:
 
     def finished(self, learnt: LearntTurn, tenant: str, stored: tuple[str, str], tokens: int) -> None:
         """The turn was stored under ``stored`` and left ``tokens`` of KV on D (prompt + answer)."""
-        held_s = min(learnt.hold.retention_s, self.d_ttl_s)
+        held_s = learnt.hold.capped(self.d_ttl_s).retention_s
         self.policy.finished(stored, tenant, learnt.group, tokens, held_s, self.clock())
         self._next_index[stored] = learnt.index + 1
         self._next_index.move_to_end(stored)
@@ -92,9 +91,7 @@ class RouterRetention:
 
     def _index(self, turn: "TurnRequest", looked_up: tuple[str, str] | None) -> int:
         if turn.prompt_kind == "chat":
-            messages = turn.body.get("messages")
-            if isinstance(messages, list):
-                return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+            return turn.answers_in_history()
         if looked_up is not None:
             return self._next_index.get(looked_up, 0)
         return 0

@@ -203,9 +203,7 @@ class TurnTracer:
                prefill: str | None, decode: str | None, finished_after_s: float | None) -> None:
         named = turn.conversation_id if turn.match in ("id", "prompt_cache_key") else None
         parent = turn.store_id if turn.match == "history" else None
-        messages = turn.body.get("messages") if turn.prompt_kind == "chat" else None
-        answers = sum(1 for m in messages if m.get("role") == "assistant") if isinstance(messages, list) else 0
-        conversation, index = self.lineage.place(tenant, named, parent, stored, answers, request_id)
+        conversation, index = self.lineage.place(tenant, named, parent, stored, turn.answers_in_history(), request_id)
         if not self.writer.sampled(conversation):
             self.metrics.trace_unsampled.inc()
             return

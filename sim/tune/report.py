@@ -173,10 +173,6 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
     return out
 
 
-def pol_ttl(point: Point) -> float:
-    return point.candidate.policy.get("decoder_kv_blocks_ttl", 480.0)
-
-
 def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>",
                         topology: tuple[int, int] = (1, 1), decode_kv_tokens: int | None = None) -> str:
     if chosen is None:
@@ -197,7 +193,7 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
           else []),
         f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}"
         + (f", and in [router] extra_args = {json.dumps(s['deploy_router_extra_args'])} (without them D keeps "
-           f"every turn for its {pol_ttl(chosen):g} s TTL)" if s["deploy_router_extra_args"] else "")
+           f"every turn for its {s['deploy_connector']['decoder_kv_blocks_ttl']:g} s TTL)" if s["deploy_router_extra_args"] else "")
         + f"; run its scripts with --mode {s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
         *([f"  reuse:   D's tokens offered {m['tokens_offered']:,}, verified {m['tokens_verified']:,} (equal to the "
