@@ -6,7 +6,9 @@ keeps the blocks pinned) and lets any client that knows an id reuse another's KV
 * scopes entries by tenant (a foreign tenant's id is a miss, reported as such);
 * answers a hit only if unexpired with a safety margin (default 5 s: vLLM's P declines reads that
   close to ``remote_blocks_expiry_time``) and the new prompt continues the sequence D holds;
-* is not consumed by a lookup: a failed turn leaves the entry, a successful turn replaces it;
+* offers each entry once (``take``, what the router calls): P's read makes D free the blocks, so a
+  turn that fails after P read must not offer them to its retry; ``lookup`` (no consumption) is for
+  callers that never hand the params to a P. A successful turn stores the next entry;
 * is bounded, evicting the least recently used entry, and purges expired entries in amortised O(1)
   per entry through a wheel of one-second buckets.
 """

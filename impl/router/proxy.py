@@ -3,7 +3,8 @@
 1. Look the conversation up in impl.policy's store under the key's tenant, with the guard's prompt
    view (see :mod:`impl.router.request`). A hit yields the previous turn's D params; a miss (unknown,
    expired, guard, tenant, evicted -- or no conversation id, or a request shape that is never
-   reused) yields the fresh-turn params. Nothing is consumed by the lookup.
+   reused) yields the fresh-turn params. A hit leaves the store (single-use): once P may have read
+   D's blocks, D frees them, so a failed turn's retry recomputes rather than being offered them again.
 2. P gets the request with ``max_tokens=1``, ``stream=false`` and those params
    (``do_remote_decode=true``), exactly as vLLM's proxy sends it. P unreachable -> the next P;
    P 5xx after being offered reuse -> retried without reuse (a failed pull under
@@ -294,11 +295,10 @@ class TurnProxy:
         entry = None
         try:
             for cid in candidates:
-                if turn.match == "history":
-                    # single-use: P's read frees D's blocks, so a regenerated turn must not find it again
-                    found = await self.store.take(tenant, cid, turn.view, self.clock())
-                else:
-                    found = await self.store.lookup(tenant, cid, turn.view, self.clock())
+                # single-use, whatever the key: P's read frees D's blocks (vLLM frees them on P's read
+                # notification), so neither a regenerated turn nor the retry of a turn that failed after P
+                # read may be offered them again; a retry recomputes instead of reading freed blocks
+                found = await self.store.take(tenant, cid, turn.view, self.clock())
                 if found.entry is not None:
                     entry, key = found.entry, (tenant, cid)
                     break

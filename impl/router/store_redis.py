@@ -14,7 +14,8 @@ replica runs it (Redis runs a script alone; no WATCH/MULTI retry loops):
   ever carried inside ``kv_params``, never compared;
 * **the guard** -- the continuation digest is checked here, after the one round trip, on the entry
   the script returned (the script cannot hash a prompt; the entry cannot change meaning in transit);
-* **a failed turn keeps its entry** -- a lookup never consumes;
+* **single use** -- ``take`` (what the router calls) then deletes the very version it answered (a second
+  script), so of two replicas taking one turn only one gets its blocks; ``lookup`` never consumes;
 * **the bound** -- exact LRU over ``max_entries`` live entries, by a sorted set of last-use stamps,
   enforced by the script that stores (expired entries leave first, then the least recently used). Each
   script purges at most 100 expired entries (~55 us each here under load), so a mass expiry never

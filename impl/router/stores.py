@@ -1,7 +1,7 @@
 """The conversation store as the router sees it: awaited, so it can live in this process or in Redis.
 
 :class:`impl.policy.ConversationStore` is pure and synchronous (the rules: tenant scoping, expiry
-with margin, the continuation guard, a failed turn keeps its entry, bounded LRU). A router fleet
+with margin, the continuation guard, single-use ``take``, bounded LRU). A router fleet
 needs those same rules on a server every replica reaches, so the router talks to this
 protocol and never to a backend directly:
 

@@ -161,7 +161,8 @@ async def test_a_router_restart_keeps_the_conversations(redis_server):
 
 async def test_a_replica_killed_mid_stream_leaves_the_conversation_to_the_others_with_reuse(redis_server):
     """Replica 0 is a real router process, SIGKILLed while it streams turn 2; the client retries turn 2
-    on replica 1, which offers turn 1's entry (a failed turn keeps it)."""
+    on replica 0, which serves it without reuse (turn 1's entry was taken by the killed replica: single
+    use), and the conversation's next turn reuses the retry's KV through the shared store."""
     async with Fleet(redis_server.url, n=1) as fleet:
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
@@ -201,8 +202,14 @@ async def test_a_replica_killed_mid_stream_leaves_the_conversation_to_the_others
                 await stream  # the client saw its replica die mid-stream
             fleet.d.chunk_delay_s = 0.0
             retry = await fleet.chat(0, messages, "killed")  # ... and retries on the other replica
-            assert retry.status == 200 and retry.done and offered(retry) > 0
-            assert fleet.p.prefill_requests()[-1]["kv_transfer_params"]["remote_request_id"] == turn1_rid
+            # which recomputes: turn 1's entry left the shared store when the killed replica offered it
+            # (P read those blocks, and D frees blocks once read)
+            assert retry.status == 200 and retry.done and offered(retry) == 0
+            assert fleet.p.prefill_requests()[-1]["kv_transfer_params"].get("remote_request_id") != turn1_rid
+            await fleet.settle()
+            messages = messages + [assistant(retry.answer), user("killed q3")]
+            r3 = await fleet.chat(0, messages, "killed")  # the retry was stored: reuse goes on from it
+            assert r3.status == 200 and r3.done and offered(r3) > 0
         finally:
             if proc.returncode is None:
                 proc.kill()
