@@ -1,18 +1,23 @@
 """``bidikv calibrate`` and ``bidikv profile``: argparse only, no I/O at import.
 
-``register(subparsers)`` adds both subcommands to the caller's ``argparse`` subparsers (``impl.cli``
-lists this module); each sets ``run`` to a handler taking the parsed namespace and returning an exit
-code. ``main(argv)`` runs them standalone (``python -m calibration.cli calibrate``).
+``register(subparsers, load_simulator)`` adds both subcommands to the caller's ``argparse`` subparsers;
+each sets ``run`` to a handler taking the parsed namespace and returning an exit code.
+``load_simulator`` returns the simulator (:class:`Simulator`) when a command runs: calibration is a
+layer below the simulator and never imports it, so the caller passes it in. ``bidikv`` registers
+these commands through ``sim.calibration_cli``, which does. ``main(argv)`` runs them standalone
+without it (``python -m calibration.cli calibrate``: the closed form, and its source line says so).
 
 * ``calibrate`` loads the shipped profiles (or refits them with ``--refit``, in memory) and prints per
   model and figure: measured, simulated, relative error; the simulated column comes from the simulator
-  when ``sim.published`` is importable, otherwise from the closed form, and the output says which.
+  when one is passed in and loads, otherwise from the closed form, and the output says which.
   ``--json``: a list of records (model, prompt_tokens, metric, mode, measured_ms, simulated_ms,
   rel_error, source). ``--plots DIR``: TTFT vs prompt length ON/OFF and the prefill split, per model,
-  PNG. ``--leave-one-model-out`` (alias ``--leave-one-out``): calibration.loo's report.
+  PNG. ``--leave-one-model-out`` (alias ``--leave-one-out``): calibration.loo's report (it needs the
+  simulator).
 * ``profile`` builds a profile for a model nobody measured from its ``config.json``, the hardware and
   the efficiencies of the measured model of its kernel family, and prints it (JSON) with its physical
-  floors and calibration.trust's account of what to trust and how to replace the rest.
+  floors and calibration.trust's account of what to trust and how to replace the rest (the expected
+  error in it needs the simulator).
 """
 
 from __future__ import annotations
@@ -22,12 +27,35 @@ import dataclasses
 import pathlib
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 TOLERANCE = 0.03
 
 
-def register(subparsers: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class Simulator:
+    """The simulator's two runs the calibration commands compare with, passed in from above
+    (sim.calibration_cli passes sim.published's)."""
+    published_point: Callable[..., Mapping[str, float]]  # calibration.report.SimulatedPoint
+    heldout_benchmark: Callable[..., Mapping[str, float]]  # calibration.heldout.SimulatedBenchmark
+
+
+SimulatorLoader = Callable[[], Simulator]  # called when a command runs, so registering loads nothing
+NOT_PASSED_IN = "no simulator passed in (calibration does not import it; bidikv calibrate compares with the simulator)"
+
+
+def _simulator(args: argparse.Namespace) -> tuple[Simulator | None, str]:
+    """The simulator the command was registered with, or None and why."""
+    load: SimulatorLoader | None = getattr(args, "load_simulator", None)
+    if load is None:
+        return None, NOT_PASSED_IN
+    try:
+        return load(), ""
+    except Exception as exc:  # noqa: BLE001 - any failure to load means "not importable"
+        return None, f"the simulator is not importable: {type(exc).__name__}: {exc}"
+
+
+def register(subparsers: Any, load_simulator: SimulatorLoader | None = None) -> None:
     cal = subparsers.add_parser(
         "calibrate", help="published figures vs the profiles (simulated when the simulator is importable)",
         description="Print, per measured model and published figure: measured, simulated and relative error.")
@@ -48,7 +76,7 @@ def register(subparsers: Any) -> None:
                      help="with --from-bench: the profile whose unmeasurable terms are kept (default: %(default)s)")
     cal.add_argument("--output", "-o", metavar="PROFILE_JSON", help="with --from-bench: write the fitted profile here")
     add_bench_fit_flags(cal)
-    cal.set_defaults(run=run_calibrate)
+    cal.set_defaults(run=run_calibrate, load_simulator=load_simulator)
     from calibration.hardware import preset_choices
 
     prof = subparsers.add_parser(
@@ -72,7 +100,7 @@ def register(subparsers: Any) -> None:
                                              "measured models, calibration.portable)")
     prof.add_argument("--name", help="model name in the profile (default: the config file's stem)")
     prof.add_argument("--output", "-o", help="write the profile JSON here instead of stdout")
-    prof.set_defaults(run=run_profile)
+    prof.set_defaults(run=run_profile, load_simulator=load_simulator)
 
 
 # --- calibrate -----------------------------------------------------------------------------------
@@ -168,13 +196,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from calibration.published import load_published
     from calibration.report import CLOSED_FORM, records, resolve_source, write_plots
 
+    simulator, missing = _simulator(args) if args.source != CLOSED_FORM or args.leave_one_out else (None, "")
     try:
-        source = resolve_source(args.source, seed=args.seed)
+        source = resolve_source(args.source, seed=args.seed,
+                                simulator=simulator.published_point if simulator else None, missing=missing)
     except ValueError as exc:
         print(f"bidikv calibrate: error: {exc}", file=sys.stderr)
         return 2
     if args.leave_one_out:
-        return _print_leave_one_out(args.json)
+        if simulator is None:
+            print(f"bidikv calibrate: error: --leave-one-model-out runs the simulator; {missing}", file=sys.stderr)
+            return 2
+        return _print_leave_one_out(args.json, simulator)
     figures = load_published()
     profiles = _profiles(args.refit)
     try:
@@ -217,11 +250,11 @@ def _print_table(recs: list[dict[str, Any]], profiles: dict[str, Any], refit: bo
     print(f"\n{within} of {len(recs)} figures within 3 %")
 
 
-def _print_leave_one_out(as_json: bool) -> int:
+def _print_leave_one_out(as_json: bool, simulator: Simulator) -> int:
     from calibration.loo import format_text, report
 
     try:
-        rep = report()
+        rep = report(simulator.heldout_benchmark)
     except Exception as exc:  # noqa: BLE001 - the simulator failing is reported, never papered over
         print(f"bidikv calibrate: error: the held-out simulation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -255,14 +288,16 @@ def run_profile(args: argparse.Namespace) -> int:
               f"= {f['profile_over_floor']:.1f}x", file=sys.stderr)
     from calibration.trust import trust_report
 
-    print(trust_report(profile, args.output), file=sys.stderr)
+    simulator, _ = _simulator(args)
+    print(trust_report(profile, args.output, simulate_benchmark=simulator.heldout_benchmark if simulator else None),
+          file=sys.stderr)
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, load_simulator: SimulatorLoader | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bidikv", description="calibration commands")
     sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
+    register(sub, load_simulator)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -13,14 +13,17 @@ builds from the model's config.json with the efficiencies given. What the compar
   (135 requests at seed 0, against the PR's 129 OFF and 126 ON).
 
 TPOT per turn = (completion - arrival - TTFT) / (output tokens - 1), vLLM's definition.
+
+The run itself is a parameter (:data:`SimulatedBenchmark`): the caller passes in
+``sim.published.simulate_heldout_benchmark``, since calibration is a layer below the simulator and does
+not import it (``tools/import_graph.py --layers``).
 """
 
 from __future__ import annotations
 
 import pathlib
-import statistics
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from calibration.build import profile_from_architecture
 from calibration.efficiencies import HardwareEfficiencies
@@ -34,6 +37,11 @@ HARDWARE = "p5en"
 TPS = (4, 8)
 BENCH_CONFIG = DATA_DIR / "pr32553_multi_turn.json"
 ACTIVE_CONVERSATIONS = 24  # the PR's active_conversations: all 24 at once, 12 per client
+
+# (profile, bidirectional, seed) -> ``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) and ``requests`` of the
+# PR's benchmark as the simulator runs it: sim.published.simulate_heldout_benchmark, passed in by the
+# caller (calibration is a layer below the simulator and does not import it).
+SimulatedBenchmark = Callable[[Any, bool, int], Mapping[str, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +73,11 @@ def load_heldout(path: str | pathlib.Path = HELDOUT_CSV) -> list[HeldoutFigure]:
     return out
 
 
-def simulate_benchmark(profile: Any, bidirectional: bool, seed: int = 0) -> dict[str, float]:
-    """``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) and ``requests`` of the PR's benchmark, simulated."""
-    from sim.published import published_config
-    from sim.runner import run_config
-
-    config = published_config(bidirectional, seed)
-    config.workload = {"kind": "vllm_multi_turn", "path": str(BENCH_CONFIG),
-                       "max_active_conversations": ACTIVE_CONVERSATIONS}
-    completed = [r for r in run_config(config, profile=profile).records if not r.rejected]
-    if not completed:
-        raise RuntimeError("the simulated benchmark completed no request")
-    ttft_ms = [r.ttft_s * 1e3 for r in completed]
-    tpot_ms = [r.tpot_s * 1e3 for r in completed if r.output_tokens > 1]
-    return {"ttft_mean": statistics.fmean(ttft_ms), "ttft_p50": statistics.median(ttft_ms),
-            "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(completed))}
-
-
-def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], tps: Sequence[int] = TPS,
-                 figures: Sequence[HeldoutFigure] | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Per efficiency source (None: ``bidikv profile``'s default) and TP: every held-out figure, predicted."""
+def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], simulate: SimulatedBenchmark,
+                 tps: Sequence[int] = TPS, figures: Sequence[HeldoutFigure] | None = None, seed: int = 0
+                 ) -> list[dict[str, Any]]:
+    """Per efficiency source (None: ``bidikv profile``'s default) and TP: every held-out figure, predicted
+    by ``simulate`` (the simulator, passed in: :data:`SimulatedBenchmark`)."""
     figures = list(figures if figures is not None else load_heldout())
     rows = []
     for label, eff in sources.items():
@@ -93,7 +86,7 @@ def heldout_rows(sources: Mapping[str, HardwareEfficiencies | None], tps: Sequen
             predicted: dict[str, dict[str, float]] = {}
             for fig in figures:
                 if fig.mode not in predicted:
-                    predicted[fig.mode] = simulate_benchmark(profile, fig.mode == "on", seed)
+                    predicted[fig.mode] = simulate(profile, fig.mode == "on", seed)
                 value = predicted[fig.mode][f"{fig.metric}_{fig.statistic}"]
                 rows.append({"trained_on": label, "model": f"{fig.model} (TP{tp})", "tp": tp, "mode": fig.mode,
                              "metric": fig.metric, "statistic": fig.statistic, "prompt_tokens": None,

@@ -1,7 +1,7 @@
 """Leave one model out: how far a profile for a model nobody measured can be trusted, from data.
 
 Two kinds of held-out prediction, printed by ``bidikv calibrate --leave-one-model-out`` (or
-``python -m calibration.loo [--json|--markdown]``):
+``python -m sim.calibration_cli loo [--json|--markdown]``):
 
 * **across kernel families, published figures** (closed form, calibration.fit.leave_one_out): fit on one
   measured model's ten figures alone (EFA at line rate: nothing from the other model), build the other
@@ -13,6 +13,9 @@ Two kinds of held-out prediction, printed by ``bidikv calibrate --leave-one-mode
 
 The summary gives per (trained on, predicted model, metric group) the median and max |error| and the
 signed range: the numbers ``bidikv profile`` prints as what to expect.
+
+The held-out part runs the simulator, which calibration does not import: :func:`report` and :func:`main`
+take it as a parameter (calibration.heldout.SimulatedBenchmark), and ``sim.calibration_cli`` passes it in.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from calibration.heldout import SimulatedBenchmark
 
 GROUPS = {"transfer": "transfer", "prefill": "prefill/TTFT", "ttft": "prefill/TTFT", "tpot": "TPOT"}
 DEFAULT_SOURCE = "bidikv profile default"
@@ -61,12 +67,13 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
              "min_error": min(e), "max_error": max(e)} for (t, m, g), e in groups.items()]
 
 
-def report(with_alternatives: bool = True, seed: int = 0) -> dict[str, Any]:
-    """Both parts and their summary; the held-out part needs the simulator (``sim``) importable."""
+def report(simulate_benchmark: SimulatedBenchmark, with_alternatives: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Both parts and their summary; the held-out part runs ``simulate_benchmark`` (the simulator, passed in:
+    sim.published.simulate_heldout_benchmark)."""
     from calibration.heldout import heldout_rows
 
     published = published_rows()
-    heldout = heldout_rows(heldout_sources(with_alternatives), seed=seed)
+    heldout = heldout_rows(heldout_sources(with_alternatives), simulate_benchmark, seed=seed)
     return {"published": published, "heldout": heldout, "summary": summary(published + heldout)}
 
 
@@ -103,13 +110,23 @@ def format_markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m calibration.loo", description=__doc__.splitlines()[0])
+COMMAND = "python -m sim.calibration_cli loo"  # main with the simulator passed in
+
+
+def main(argv: Sequence[str] | None = None, simulate_benchmark: SimulatedBenchmark | None = None,
+         prog: str = COMMAND) -> int:
+    """The report on stdout; ``simulate_benchmark`` None (``python -m calibration.loo``): exit 2, naming
+    the command that passes the simulator in."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows and the summary as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the summary as a markdown table")
     parser.add_argument("--seed", type=int, default=0, help="workload seed of the held-out simulation (default: 0)")
     args = parser.parse_args(argv)
-    rep = report(seed=args.seed)
+    if simulate_benchmark is None:
+        print(f"{parser.prog}: error: the held-out part runs the simulator, which calibration does not import: "
+              f"{COMMAND} [--json|--markdown] [--seed N] passes it in", file=sys.stderr)
+        return 2
+    rep = report(simulate_benchmark, seed=args.seed)
     if args.json:
         print(json.dumps(rep, indent=2))
     elif args.markdown:
@@ -120,4 +137,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m calibration.loo"))

@@ -1,9 +1,10 @@
 """Measured vs simulated: the published figures beside what a profile produces, and the two charts.
 
-The "simulated" column comes from ``sim.published.simulate_published_point(profile, prompt_tokens,
-bidirectional, seed)`` (medians over simulated turns) when it is importable, otherwise from the closed
-form (calibration.closed_form: the simulator's assembly without contention). Which one was used is
-carried in every record and printed; the closed form is never passed off as the simulator.
+The "simulated" column comes from the simulator when the caller passes one in (:data:`SimulatedPoint`:
+``sim.published.simulate_published_point(profile, prompt_tokens, bidirectional, seed)``, medians over
+simulated turns; calibration is a layer below the simulator and does not import it), otherwise from the
+closed form (calibration.closed_form: the simulator's assembly without contention). Which one was used
+is carried in every record and printed; the closed form is never passed off as the simulator.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from calibration.published import BenchmarkShape, PublishedFigure
 
 SIMULATOR, CLOSED_FORM = "simulator", "closed-form"
 PointFn = Callable[[LatencyProfile, int, bool], Mapping[str, float]]
+# (profile, prompt_tokens, bidirectional, seed) -> ttft_s, prefill_s, transfer_s: the simulator's run of
+# the published benchmark, passed in by a caller above both layers (sim.calibration_cli)
+SimulatedPoint = Callable[[LatencyProfile, int, bool, int], Mapping[str, float]]
+NO_SIMULATOR = "no simulator passed in"
 
 
 @dataclass(frozen=True)
@@ -36,24 +41,25 @@ def closed_form_source(reason: str = "", shape: BenchmarkShape = BenchmarkShape(
                                f"contention, user tokens {shape.user_tokens}{why}", point)
 
 
-def resolve_source(requested: str = "auto", seed: int = 0) -> Source:
-    """``auto``: the simulator if ``sim.published`` imports, else the closed form; ``sim``: the
-    simulator or an error; ``closed-form``: the closed form."""
+def resolve_source(requested: str = "auto", seed: int = 0, simulator: SimulatedPoint | None = None,
+                   missing: str = NO_SIMULATOR) -> Source:
+    """``auto``: ``simulator`` if one is passed in, else the closed form; ``sim``: the simulator or an
+    error; ``closed-form``: the closed form. ``missing`` says why there is no simulator (in the closed
+    form's description, or the error)."""
     if requested not in ("auto", "sim", CLOSED_FORM):
         raise ValueError(f"source must be auto, sim or {CLOSED_FORM}, got {requested!r}")
     if requested == CLOSED_FORM:
         return closed_form_source("requested")
-    try:
-        from sim.published import simulate_published_point  # the simulator's entry point, when it exists
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not importable"
+    if simulator is None:
         if requested == "sim":
-            raise ValueError(f"sim.published is not importable: {type(exc).__name__}: {exc}") from None
-        return closed_form_source(f"sim.published not importable: {type(exc).__name__}: {exc}")
+            raise ValueError(missing)
+        return closed_form_source(missing)
 
     def point(profile: LatencyProfile, prompt_tokens: int, bidirectional: bool) -> Mapping[str, float]:
-        return simulate_published_point(profile, prompt_tokens, bidirectional, seed=seed)
+        return simulator(profile, prompt_tokens, bidirectional, seed)
 
-    return Source(SIMULATOR, f"simulator: sim.published.simulate_published_point (seed {seed})", point)
+    name = f"{simulator.__module__}.{simulator.__qualname__}"  # sim.published.simulate_published_point
+    return Source(SIMULATOR, f"simulator: {name} (seed {seed})", point)
 
 
 def records(profiles: Mapping[str, LatencyProfile], figures: Sequence[PublishedFigure], source: Source

@@ -5,19 +5,22 @@ Three parts, from data, never from fixed text:
 * every field by kind (calibration.portable): exact physics, carried over from which fit, assumed; off
   the measured hardware (p5en), a warning first that the fitted terms were carried over from it, and on a
   Neuron accelerator (trn2) that vLLM's engine overheads there are unknown (calibration.build);
-* the expected error, from the leave-one-model-out report (calibration.loo, computed on the spot): the
-  same-family held-out model (Llama-3.3-70B from Qwen3-32B's fit) and the cross-family pair (Qwen3-32B
-  <-> GLM-5-FP8), and which of the two applies to this profile;
+* the expected error, from the leave-one-model-out report (calibration.loo, computed on the spot with the
+  simulator the caller passes in): the same-family held-out model (Llama-3.3-70B from Qwen3-32B's fit) and
+  the cross-family pair (Qwen3-32B <-> GLM-5-FP8), and which of the two applies to this profile;
 * the commands that replace every carried-over and assumed term with a fit on the user's deployment
   (``bidikv bench`` twice, ``bidikv calibrate --from-bench``, ``bidikv validate``), pasteable.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from calibration.portable import ASSUMPTION, ENGINE, FAMILY, PHYSICS
 from calibration.profile import LatencyProfile
+
+if TYPE_CHECKING:
+    from calibration.heldout import SimulatedBenchmark
 
 BENCH_CONVERSATIONS = 8  # enough turns for every term of the bench fit (first turns, pulls, decode) in minutes
 ROUTER_URL = "http://localhost:8000"  # bidikv router's default --port
@@ -83,17 +86,21 @@ def bench_commands(profile: LatencyProfile, profile_path: str | None) -> list[st
 
 
 def trust_report(profile: LatencyProfile, profile_path: str | None = None,
-                 summary: Sequence[dict[str, Any]] | None = None) -> str:
-    """The text ``bidikv profile`` prints; ``summary`` defaults to calibration.loo's, computed now."""
+                 summary: Sequence[dict[str, Any]] | None = None,
+                 simulate_benchmark: SimulatedBenchmark | None = None) -> str:
+    """The text ``bidikv profile`` prints; ``summary`` defaults to calibration.loo's, computed now with
+    ``simulate_benchmark`` (the simulator, passed in); with neither, the expected error is not computed."""
     prov = profile.provenance
     failure = ""
-    if summary is None:
+    if summary is None and simulate_benchmark is None:
+        failure = "it runs the simulator, which was not passed in (bidikv profile passes it)"
+    elif summary is None:
         from calibration.loo import report
 
-        try:
-            summary = report(with_alternatives=False)["summary"]  # the default source is all the bands need
+        try:  # the default source is all the bands need
+            summary = report(simulate_benchmark=simulate_benchmark, with_alternatives=False)["summary"]
         except Exception as exc:  # noqa: BLE001 - said in the output; the profile itself stands
-            failure = f"{type(exc).__name__}: {exc}"
+            failure = f"the held-out simulation failed ({type(exc).__name__}: {exc})"
     rows = prov["fields"]
     by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, FAMILY, ENGINE, ASSUMPTION)}
 
@@ -107,7 +114,7 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
              f"  engine terms from {prov['engine_terms_from']}: {listing(ENGINE)}",
              f"  assumed, never fitted on {prov['hardware']}: {listing(ASSUMPTION)}"]
     if failure:
-        lines.append(f"expected error: not computed, the held-out simulation failed ({failure}); "
+        lines.append(f"expected error: not computed, {failure}; "
                      "calibration/README.md 'Leave one model out' has the last table")
     else:
         lines += expected_error_lines(summary, prov["same_family_fit"])

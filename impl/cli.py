@@ -17,7 +17,7 @@ SUBCOMMAND_MODULES = [
     "sim.cli",  # simulate
     "sim.tune.cli",  # tune
     "sim.trace_cli",  # trace (router trace <-> Mooncake)
-    "calibration.cli",  # calibrate, profile
+    "sim.calibration_cli",  # calibrate, profile (calibration.cli's, with the simulator passed in)
     "sim.validate_cli",  # validate (replays bench runs through the simulator)
     "impl.router.cli",  # router
     "sim.bench.cli",  # bench

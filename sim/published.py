@@ -9,6 +9,10 @@ user 120-160 tokens/turn, output 800-1,200 tokens/turn, turns sent back to back.
 To read a figure "at prompt length L", each conversation is built so that one of its later turns
 (turn >= 1, so the ON path pulls) has exactly L prompt tokens; its per-conversation prefix is the
 remainder, kept within [0, 10,000] like the benchmark's. The figure is the median over those turns.
+
+Calibration does not import the simulator: these two runs are passed into it (``sim.calibration_cli``),
+:func:`simulate_published_point` for ``bidikv calibrate``'s simulated column and
+:func:`simulate_heldout_benchmark` for the model no fit has seen (calibration.heldout).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from calibration.heldout import ACTIVE_CONVERSATIONS, BENCH_CONFIG
 from calibration.profile import LatencyProfile
 from sim.cluster import Cluster
 from sim.config import SimConfig
 from sim.rng import stream
+from sim.runner import run_config
 from sim.workload.model import Conversation, Turn
 
 COMMON_PREFIX_TOKENS = 500
@@ -93,3 +99,19 @@ def simulate_published_point(profile: LatencyProfile, prompt_tokens: int, bidire
         "turns": len(recs),
         "pulled_turns": sum(1 for r in recs if r.reused_tokens > 0),
     }
+
+
+def simulate_heldout_benchmark(profile: LatencyProfile, bidirectional: bool, seed: int = 0) -> dict[str, float]:
+    """``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) and ``requests`` of vLLM PR #32553's benchmark, simulated:
+    its multi-turn config (:data:`calibration.heldout.BENCH_CONFIG`) on :func:`published_config`. What
+    calibration.heldout passes a profile of a model no fit has seen to (its ``SimulatedBenchmark``)."""
+    config = published_config(bidirectional, seed)
+    config.workload = {"kind": "vllm_multi_turn", "path": str(BENCH_CONFIG),
+                       "max_active_conversations": ACTIVE_CONVERSATIONS}
+    completed = [r for r in run_config(config, profile=profile).records if not r.rejected]
+    if not completed:
+        raise RuntimeError("the simulated benchmark completed no request")
+    ttft_ms = [r.ttft_s * 1e3 for r in completed]
+    tpot_ms = [r.tpot_s * 1e3 for r in completed if r.output_tokens > 1]
+    return {"ttft_mean": statistics.fmean(ttft_ms), "ttft_p50": statistics.median(ttft_ms),
+            "tpot_mean": statistics.fmean(tpot_ms), "requests": float(len(completed))}

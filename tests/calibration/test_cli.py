@@ -1,4 +1,5 @@
-"""``bidikv calibrate`` / ``bidikv profile`` through argparse, as the top-level CLI registers them."""
+"""``bidikv calibrate`` / ``bidikv profile`` through argparse, as the top-level CLI registers them: with the
+simulator passed in (sim.calibration_cli), and without it (calibration.cli alone: the closed form)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import sys
 import pytest
 
 from calibration import cli
-from calibration.report import CLOSED_FORM, resolve_source
+from calibration.report import CLOSED_FORM, SIMULATOR, resolve_source
+from sim import calibration_cli  # what bidikv registers: calibration.cli with the simulator passed in
 from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
 
 RECORD_KEYS = {"model", "prompt_tokens", "metric", "mode", "measured_ms", "simulated_ms", "rel_error", "source"}
 
 
 def test_import_does_no_io_and_loads_nothing_heavy():
-    code = ("import sys, calibration.cli; "
-            "assert not {'scipy', 'matplotlib', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    # sim.calibration_cli is what bidikv imports to register the commands: the simulator loads when one runs
+    code = ("import sys, calibration.cli, sim.calibration_cli; "
+            "assert not {'scipy', 'matplotlib', 'numpy', 'sim.published'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -42,15 +45,31 @@ def test_calibrate_json_records(capsys):
         assert r["rel_error"] == pytest.approx(r["simulated_ms"] / r["measured_ms"] - 1)
 
 
-def test_calibrate_table_says_closed_form_when_simulator_missing(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sim.published", None)  # importing it now raises ImportError
+def test_without_a_simulator_calibrate_says_closed_form_and_what_needs_one(capsys):
     source = resolve_source("auto")
-    assert source.kind == CLOSED_FORM and "not importable" in source.description
-    assert cli.main(["calibrate"]) == 0
+    assert source.kind == CLOSED_FORM and "no simulator passed in" in source.description
+    assert cli.main(["calibrate"]) == 0  # python -m calibration.cli calibrate
     out = capsys.readouterr().out
-    assert out.startswith("source: closed form") and "not importable" in out
+    assert out.startswith("source: closed form") and "bidikv calibrate compares with the simulator" in out
     assert "figures within 3 %" in out and "physical floors" in out
     assert cli.main(["calibrate", "--source", "sim"]) == 2
+    assert cli.main(["calibrate", "--leave-one-model-out"]) == 2
+    assert "--leave-one-model-out runs the simulator" in capsys.readouterr().err
+
+
+def test_bidikv_calibrate_compares_with_the_simulator(capsys):
+    assert calibration_cli.main(["calibrate", "--json"]) == 0
+    out = capsys.readouterr()
+    assert {r["source"] for r in json.loads(out.out)} == {SIMULATOR}
+    assert "source: simulator: sim.published.simulate_published_point (seed 0)" in out.err
+
+
+def test_calibrate_says_closed_form_when_the_simulator_does_not_import(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sim.published", None)  # importing it now raises ImportError
+    assert calibration_cli.main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("source: closed form") and "not importable" in out
+    assert calibration_cli.main(["calibrate", "--source", "sim"]) == 2
 
 
 def test_calibrate_plots(tmp_path, capsys):
@@ -62,7 +81,7 @@ def test_calibrate_plots(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag", ["--leave-one-model-out", "--leave-one-out"])
 def test_leave_one_model_out_json(capsys, flag):
-    assert cli.main(["calibrate", flag, "--json"]) == 0
+    assert calibration_cli.main(["calibrate", flag, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert len(rep["published"]) == 20 and {r["trained_on"] for r in rep["published"]} == {"Qwen3-32B", "GLM-5-FP8"}
     assert {r["model"] for r in rep["heldout"]} == {"Llama-3.3-70B (TP4)", "Llama-3.3-70B (TP8)"}
@@ -70,7 +89,7 @@ def test_leave_one_model_out_json(capsys, flag):
 
 
 def test_leave_one_model_out_table(capsys):
-    assert cli.main(["calibrate", "--leave-one-model-out"]) == 0
+    assert calibration_cli.main(["calibrate", "--leave-one-model-out"]) == 0
     out = capsys.readouterr().out
     assert "Summary: |error| median / max" in out and "Llama-3.3-70B (TP4)" in out
 
@@ -78,7 +97,7 @@ def test_leave_one_model_out_table(capsys):
 @pytest.mark.parametrize("config,tp,block", [(QWEN3_32B, 8, 16), (GLM5_FP8, 8, 64), (QWEN3_32B, 2, 16)])
 def test_profile_command(write_config, capsys, config, tp, block):
     path = write_config(config)
-    assert cli.main(["profile", "--model-config", str(path), "--hardware", "p5en", "--tp", str(tp)]) == 0
+    assert calibration_cli.main(["profile", "--model-config", str(path), "--hardware", "p5en", "--tp", str(tp)]) == 0
     out = capsys.readouterr()
     profile = json.loads(out.out)
     assert profile["tp"] == tp and profile["block_size"] == block
@@ -101,3 +120,13 @@ def test_profile_command_writes_file(write_config, tmp_path, capsys):
     assert cli.main(["profile", "--model-config", str(write_config(QWEN3_32B)), "--tp", "8", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["kv_bytes_per_token"] == 262_144
     assert f"--base-profile {out} " in capsys.readouterr().err
+
+
+def test_leave_one_model_out_standalone(capsys):
+    from calibration import loo
+
+    assert loo.main(["--markdown"]) == 2  # python -m calibration.loo: no simulator
+    assert "python -m sim.calibration_cli loo" in capsys.readouterr().err
+    assert calibration_cli.main(["loo", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| trained on | predicted |") and "Llama-3.3-70B (TP4)" in out

@@ -19,6 +19,7 @@ from calibration.loo import DEFAULT_SOURCE, NO_FAMILY, PREVIOUS_DEFAULT, WRONG_F
 from calibration.portable import ASSUMPTION, ENGINE, FAMILY, FIELD_KINDS, PHYSICS
 from calibration.profile import LatencyProfile
 from calibration.published import load_published
+from sim.published import simulate_heldout_benchmark  # the simulator, passed into calibration.loo
 from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
 
 BF16_MOE_GQA = {  # a kernel family neither measured model has (Qwen3-30B-A3B's shape)
@@ -31,7 +32,7 @@ BF16_MOE_GQA = {  # a kernel family neither measured model has (Qwen3-30B-A3B's 
 
 @pytest.fixture(scope="module")
 def loo_report():
-    return report()
+    return report(simulate_heldout_benchmark)
 
 
 def test_dense_bf16_model_carries_qwen3_32b_prefill_terms():
@@ -170,8 +171,11 @@ def test_trust_report_says_when_the_band_could_not_be_computed(write_config, mon
         raise RuntimeError("simulator down")
 
     monkeypatch.setattr(calibration.loo, "report", broken)
-    text = trust_report(profile_from_architecture(write_config(QWEN3_32B), "p5en", 8))
+    profile = profile_from_architecture(write_config(QWEN3_32B), "p5en", 8)
+    text = trust_report(profile, simulate_benchmark=simulate_heldout_benchmark)
     assert "expected error: not computed" in text and "simulator down" in text and "bidikv bench" in text
+    text = trust_report(profile)  # no simulator passed in (python -m calibration.cli profile)
+    assert "expected error: not computed, it runs the simulator" in text and "bidikv bench" in text
 
 
 def test_profile_is_byte_identical_when_built_again(write_config):

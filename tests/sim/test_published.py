@@ -30,8 +30,9 @@ def test_eighteen_of_the_twenty_published_figures_are_within_3_percent_through_t
     from calibration.cli import _profiles
     from calibration.published import load_published
     from calibration.report import SIMULATOR, records, resolve_source
+    from sim.published import simulate_published_point
 
-    source = resolve_source("sim")
+    source = resolve_source("sim", simulator=simulate_published_point)
     recs = records(_profiles(refit=False), load_published(), source)
     assert len(recs) == 20 and {r["source"] for r in recs} == {SIMULATOR}
     for r in recs:  # the error is the simulator's median over the target turns against the publication
