@@ -102,7 +102,7 @@ class _Turn:
     shared_prefix_tokens: int
     on_done: Callable[[], None]
     local_hit: int
-    d_node: "DecodeNode | None"  # the D it pulls from while it pulls, or whose offer it declined until it ends
+    d_node: "DecodeNode | None"  # the D it pulls from, while it pulls
     remaining: int  # tokens left to compute
     context: int  # tokens cached
     take: int  # this step's chunk
@@ -144,9 +144,6 @@ class _Turn:
         rec.prefill_compute_s = node.env._now - self.started_at
         if node.cache is not None:
             node.cache.insert(self.conv_key, self.revision, rec.prompt_tokens, self.shared_prefix_tokens, rec.turn)
-        if self.d_node is not None:  # a declined pull: the router releases D's blocks on P's report
-            self.d_node.declined(self.conv_key, node.env._now)
-            self.d_node = None
         self.on_done()
 
 
@@ -167,8 +164,8 @@ class PrefillNode:
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
-        # P's decline reaches D (bidikv's router and connector: P's report, then /bidikv/release on D's
-        # listener) when P answers; stock vLLM tells D nothing, and D holds the blocks to their expiry
+        # P tells D when it declines a pull (bidikv's connector: PolicyConfig.decline_frees_d); stock vLLM
+        # does not, and D holds the blocks to their expiry
         self.decline_frees_d = False
 
     # -- one turn -----------------------------------------------------------------------------
@@ -205,8 +202,10 @@ class PrefillNode:
             reason = rec.decision_reason = decision.reason._value_
             if decision.pull:
                 refusal = d_node.begin_read(conv_key, revision, self.env._now)
-                if refusal:  # D's blocks are gone or about to expire: nothing to release
+                if refusal:
                     rec.decision, rec.miss_reason = "recompute", refusal
+                    if self.decline_frees_d:
+                        d_node.declined(conv_key, self.env._now)
                 else:
                     rec.decision = "pull"
                     reused = rec.pulled_tokens = decision.tokens
@@ -220,7 +219,7 @@ class PrefillNode:
                 diverged = rec.verified_tokens < rec.offered_tokens
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else reason
                 if self.decline_frees_d:
-                    turn.d_node = d_node  # released when P answers (its report reaches the router then)
+                    d_node.declined(conv_key, self.env._now)
         else:
             rec.decision = "none"
         self._enqueue(turn, 0)

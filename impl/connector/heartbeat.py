@@ -36,16 +36,6 @@ Protocol (version 1)::
          "expires_in_s": <seconds from D's answer>, "heartbeat_interval_s": <lease only>}
     200 {"status": "not_held", "reason": "unknown"|"expired"|"other_engine"|"given_back"}
     400 {"error": "<field>: <problem>"}      503 {"status": "busy"}      404 other paths
-
-    POST /bidikv/release     {"request_id": "<remote_request_id>", "engine_id": "<remote_engine_id>"}
-
-    200 {"status": "released"}  or  {"status": "not_held", "reason": ...}
-
-A release is the router saying that the P it gave this turn's params to declined the read (threshold,
-expiry margin, a verification that left nothing to pull): D frees the blocks as it would after that
-P's read notification, instead of holding them to the TTL. Same trust as a heartbeat: the port is
-internal, and the router offers a turn's params once (``take``), so the decliner was the only reader;
-a forged release can at most cost that conversation its reuse.
 """
 
 from __future__ import annotations
@@ -64,7 +54,6 @@ from impl.router.config import url_host
 log = logging.getLogger("bidikv.connector.heartbeat")
 
 HEARTBEAT_PATH = "/bidikv/heartbeat"
-RELEASE_PATH = "/bidikv/release"  # same listener, same body: the router's word that P declined the read
 MAX_BODY_BYTES = 4096
 MAX_ID_LEN = 512
 
@@ -72,7 +61,6 @@ MAX_ID_LEN = 512
 @dataclass(slots=True)
 class PendingRenewal:
     request_id: str
-    release: bool = False  # a release (RELEASE_PATH), not a heartbeat
     done: threading.Event = field(default_factory=threading.Event)
     answer: dict[str, Any] | None = None
 
@@ -93,8 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "bidikv-heartbeat/1"
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        path = self.path.split("?", 1)[0]
-        if path not in (HEARTBEAT_PATH, RELEASE_PATH):
+        if self.path.split("?", 1)[0] != HEARTBEAT_PATH:
             self._reply(404, {"error": "not found"})
             return
         length = self.headers.get("Content-Length")
@@ -102,14 +89,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"body: a Content-Length of at most {MAX_BODY_BYTES} bytes is required"})
             return
         try:
-            status, answer = self.server.listener.handle(self.rfile.read(int(length)), release=path == RELEASE_PATH)
+            status, answer = self.server.listener.handle(self.rfile.read(int(length)))
         except Exception:  # never a traceback to the peer, never a dead listener
             log.exception("heartbeat handling failed")
             status, answer = 500, {"error": "internal error"}
         self._reply(status, answer)
 
     def do_GET(self) -> None:  # noqa: N802
-        self._reply(404 if self.path not in (HEARTBEAT_PATH, RELEASE_PATH) else 405, {"error": "POST a heartbeat"})
+        self._reply(404 if self.path != HEARTBEAT_PATH else 405, {"error": "POST a heartbeat"})
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         raw = json.dumps(body, separators=(",", ":")).encode()
@@ -162,7 +149,7 @@ class HeartbeatListener:
         self._thread.start()
 
     # -- listener threads ------------------------------------------------------------------------
-    def handle(self, raw: bytes, release: bool = False) -> tuple[int, dict[str, Any]]:
+    def handle(self, raw: bytes) -> tuple[int, dict[str, Any]]:
         try:
             request_id, engine_id = parse_heartbeat(raw)
         except ValueError as e:
@@ -179,7 +166,7 @@ class HeartbeatListener:
             self.stats["busy"] += 1
             return 503, {"status": "busy"}
         try:
-            pending = PendingRenewal(request_id, release)
+            pending = PendingRenewal(request_id)
             self._queue.put(pending)
             if not pending.done.wait(self.answer_timeout_s):
                 # still applied when the scheduler gets to it; the router keeps its old expiry meanwhile
@@ -193,10 +180,8 @@ class HeartbeatListener:
     def pending(self) -> bool:
         return not self._queue.empty()
 
-    def drain(self, apply: Callable[[str], dict[str, Any]],
-              release: Callable[[str], dict[str, Any]] | None = None) -> int:
-        """Apply every queued renewal with ``apply(request_id) -> answer`` and every release with
-        ``release(request_id) -> answer`` (none without it: answered not held); returns how many."""
+    def drain(self, apply: Callable[[str], dict[str, Any]]) -> int:
+        """Apply every queued renewal with ``apply(request_id) -> answer``; returns how many."""
         n = 0
         while True:
             try:
@@ -204,12 +189,7 @@ class HeartbeatListener:
             except queue.Empty:
                 return n
             try:
-                if not pending.release:
-                    pending.answer = apply(pending.request_id)
-                elif release is not None:
-                    pending.answer = release(pending.request_id)
-                else:
-                    pending.answer = {"status": "not_held", "reason": "unsupported"}
+                pending.answer = apply(pending.request_id)
             except Exception:
                 log.exception("applying the heartbeat of %s failed", pending.request_id)
                 pending.answer = {"status": "not_held", "reason": "error"}
@@ -223,4 +203,4 @@ class HeartbeatListener:
         self._thread.join(2.0)
 
 
-__all__ = ["HEARTBEAT_PATH", "RELEASE_PATH", "HeartbeatListener", "parse_heartbeat"]
+__all__ = ["HEARTBEAT_PATH", "HeartbeatListener", "parse_heartbeat"]

@@ -175,7 +175,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self._warned_host_buffer = False
         # retained requests D gave back and freed, remembered (bounded) so a late renewal is told why
         self._given_back: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.released_on_decline = 0  # retained turns freed because their reader declined (the router said so)
         self.heartbeats = self._start_heartbeat_listener(vllm_config, engine_id)
         give_back = settings.make_give_back()
         self.give_back = GiveBackLedger(give_back) if give_back is not None else None
@@ -402,7 +401,7 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         return listener
 
     def _drain_heartbeats(self) -> int:
-        return 0 if self.heartbeats is None else self.heartbeats.drain(self._answer_heartbeat, self._release_declined)
+        return 0 if self.heartbeats is None else self.heartbeats.drain(self._answer_heartbeat)
 
     def _answer_heartbeat(self, request_id: str) -> dict[str, Any]:
         """Apply one relayed heartbeat and say what D now enforces (the listener's protocol)."""
@@ -424,25 +423,6 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         if interval is not None:
             answer["heartbeat_interval_s"] = interval
         return answer
-
-    def _release_declined(self, request_id: str) -> dict[str, Any]:
-        """The router says the P it offered this turn to declined the read: free the blocks now, as
-        P's read notification would (vLLM's worker reaps a re-sent deadline that has passed at its next
-        step), instead of holding them to the expiry. Safe as that free is: the router offers a turn's
-        params to one P only (``take``), and that P will not read them."""
-        held = self._retained.pop(request_id, None)
-        if held is None:
-            return {"status": "not_held", "reason": "given_back" if request_id in self._given_back else "unknown"}
-        now = self._clock()
-        finished_at, _ = held
-        if self.give_back is not None:
-            self.give_back.remove(request_id)  # no longer retained: never withheld, never renewed
-        self._reqs_need_send[request_id] = now
-        self.retention_policy.observe_gap(now - finished_at)  # the user came back: a gap like a read's
-        self.released_on_decline += 1
-        self._stats.record_declined_release()
-        log.info("bidikv: %s released (its reader declined the pull)", request_id)
-        return {"status": "released"}
 
     def _answer_give_back(self, request_id: str, intended: float, now: float) -> dict[str, Any]:
         """give_back: a renewal the router asks for before P reads (or a client's heartbeat). The answer's

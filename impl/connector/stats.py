@@ -15,8 +15,6 @@ D's give-back (``bidikv_retained_under_pressure: "give_back"``): ``vllm:bidikv_g
 turns D stopped renewing under memory pressure), ``vllm:bidikv_given_back_blocks_total`` (their blocks),
 ``vllm:bidikv_given_back_freed_total`` and ``vllm:bidikv_give_back_seconds_total`` (how many were freed,
 and the seconds from withholding to free summed over them: their ratio is the mean time to give back).
-``vllm:bidikv_released_on_decline_total``: retained turns freed early because the P they were offered to
-declined the read and the router said so (``/bidikv/release`` on D's heartbeat listener).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ PATHS = ("d_to_p", "p_to_d")
 OUTCOMES = ("offered", "verified", "pulled") + tuple(
     f"refused_{r.value}" for r in VerifyReason if r is not VerifyReason.FULL) + ("refused_unverified",)
 GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds")
-RETAINED_KEYS = GIVE_BACK_KEYS + ("bidikv_released_on_decline",)  # D's retained turns, as counters
-KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + RETAINED_KEYS
+KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + GIVE_BACK_KEYS
 
 
 class BidikvKVConnectorStats(NixlKVConnectorStats):
@@ -59,9 +56,6 @@ class BidikvKVConnectorStats(NixlKVConnectorStats):
     def record_given_back_freed(self, seconds: float) -> None:
         self.data["bidikv_given_back_freed"].append(1)
         self.data["bidikv_give_back_seconds"].append(seconds)
-
-    def record_declined_release(self) -> None:
-        self.data["bidikv_released_on_decline"].append(1)
 
     def aggregate(self, other: Any) -> "BidikvKVConnectorStats":
         # a plain NIXL stats object (another connector's worker) lacks our keys: add what is there
@@ -102,9 +96,7 @@ class BidikvPromMetrics(NixlPromMetrics):
                  "bidikv_given_back_blocks": "KV blocks of the retained turns D gave back under memory pressure.",
                  "bidikv_given_back_freed": "Given-back turns D freed (at their last published expiry).",
                  "bidikv_give_back_seconds": "Seconds from withholding a retained turn's renewal to freeing it, "
-                                             "summed over the turns freed.",
-                 "bidikv_released_on_decline": "Retained turns D freed before their expiry because the P they were "
-                                               "offered to declined the read (the router's release)."}
+                                             "summed over the turns freed."}
         self.bidikv_give_back = {}
         for key, help_text in helps.items():
             c = self._counter_cls(name=f"vllm:{key}", documentation=help_text, labelnames=list(labelnames))
@@ -118,7 +110,7 @@ class BidikvPromMetrics(NixlPromMetrics):
                 total = sum(transfer_stats_data.get(f"bidikv_{path}_{outcome}", ()))
                 if total:
                     self.bidikv_prefix_tokens[(engine_idx, path, outcome)].inc(total)
-        for key in RETAINED_KEYS:
+        for key in GIVE_BACK_KEYS:
             total = sum(transfer_stats_data.get(key, ()))
             if total:
                 self.bidikv_give_back[(engine_idx, key)].inc(total)

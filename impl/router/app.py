@@ -155,8 +155,6 @@ class Router:
         self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.conversations, self.hub, self.metrics,
                                self.upstream_headers, lambda: self.notify_url)
         self.proxy.renew_for_read = self.heartbeats.renew_for_read
-        if self.config.release_declined:
-            self.proxy.release_declined = self.heartbeats.release
         if self.trace is not None:
             self.proxy.tracer = TurnTracer(self.trace, self.lineage, self.metrics, self.public_names)
         if self.config.learnt_retention_budget_tokens > 0:

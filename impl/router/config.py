@@ -92,9 +92,6 @@ class RouterConfig:
     learnt_retention_min_returns: int = 20  # per tenant, before the learnt holds replace the fallback
     learnt_retention_fallback_s: float = 480.0  # the hold asked until then (vLLM's default TTL)
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
-    # tell D (its heartbeat listener's /bidikv/release) when the P a turn was offered to declined the
-    # read, so D frees those blocks now instead of holding them to the TTL
-    release_declined: bool = True
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
     tenant_cache_salt: bool = True  # with API keys: P's and D's prefix caches are shared only within a tenant
@@ -225,8 +222,6 @@ FLAG_HELP: dict[str, str] = {
     "upstream_max_connections": "connection pool bound per upstream (0: unbounded)",
     "upstream_keepalive_s": "idle upstream connections are closed after this; keep it below vLLM's 5 s keep-alive",
     "notify": "ask D's connector to post its kv_transfer_params to the router (vLLM 0.32 path)",
-    "release_declined": "when P declines a turn's pull (threshold, expiry margin, verification), tell the D holding "
-                        "it (bidikv's connector, its heartbeat listener) to free those blocks now",
     "notify_url": "URL decode instances use to reach this router's /internal/kv_params",
     "notify_wait_s": "how long to wait for D's notification after its stream ended",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl (how long D keeps a turn's blocks)",

@@ -305,22 +305,8 @@ class HeartbeatRelay:
         body.update({k: v for k, v in extra.items() if v is not None})
         return web.json_response(body)
 
-    async def release(self, entry: ConversationEntry) -> str:
-        """Tell the D holding ``entry`` that the P it was offered to declined the read, so D frees the blocks
-        now (``/bidikv/release`` on its listener); the outcome: released, not_held, no_listener, unsupported
-        (a D without the path: it keeps them to their expiry), or a relay failure's."""
-        url = await self._listener_url(entry)
-        if url is None:
-            return "no_listener"
-        try:
-            answer = await self._relay(_release_url(url), entry, release=True)
-        except _RelayFailure as e:
-            return e.outcome
-        return "released" if answer["status"] == "released" else "not_held"
-
-    async def _relay(self, url: str, entry: ConversationEntry, release: bool = False) -> dict[str, Any]:
-        """D's validated answer, or _RelayFailure (503 unreachable/busy, 504 timeout, 502 nonsense; a
-        release D does not know: 'unsupported')."""
+    async def _relay(self, url: str, entry: ConversationEntry) -> dict[str, Any]:
+        """D's validated answer, or _RelayFailure (503 unreachable/busy, 504 timeout, 502 nonsense)."""
         if self.session is None:
             raise _RelayFailure(503, "unreachable", "the router is not started")
         payload = json.dumps({"request_id": entry.kv_params.get("remote_request_id"),
@@ -338,12 +324,7 @@ class HeartbeatRelay:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener failed ({type(e).__name__})") from None
         if status == 503:
             raise _RelayFailure(503, "busy", "the decode instance is busy; heartbeat again shortly")
-        if release and status == 404:
-            raise _RelayFailure(502, "unsupported", "the decode instance's listener has no release")
-        if release:
-            answer = _parse_release(raw) if status == 200 and raw is not None else None
-        else:
-            answer = _parse_answer(raw) if status == 200 and raw is not None else None
+        answer = _parse_answer(raw) if status == 200 and raw is not None else None
         if answer is None:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener answered HTTP {status} "
                                                    "without a valid answer")
@@ -369,21 +350,6 @@ def _store_down() -> web.Response:
 
 def _finite(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _release_url(heartbeat_url: str) -> str:
-    """The release path beside the heartbeat one on D's listener (impl.connector.heartbeat.RELEASE_PATH)."""
-    parts = urlsplit(heartbeat_url)
-    path = parts.path[:-len("/heartbeat")] if parts.path.endswith("/heartbeat") else parts.path.rstrip("/")
-    return urlunsplit((parts.scheme, parts.netloc, path + "/release", "", ""))
-
-
-def _parse_release(raw: bytes) -> dict[str, Any] | None:
-    try:
-        answer = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return answer if isinstance(answer, dict) and answer.get("status") in ("released", "not_held") else None
 
 
 def _parse_answer(raw: bytes) -> dict[str, Any] | None:

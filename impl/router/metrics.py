@@ -160,10 +160,6 @@ class RouterMetrics:
                                                 "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
                                                 "read until its expiry; given_back; expired; unknown; no_listener; "
                                                 "unreachable; timeout; busy; bad_answer).", ("outcome",)))
-        self.declined_releases = r.add(Counter(p + "declined_releases_total", "Releases sent to D when the P a "
-                                               "turn was offered to declined the pull, by outcome (released; not_held: "
-                                               "D had freed it already; no_listener; unsupported: an older D; "
-                                               "unreachable; timeout; busy; bad_answer).", ("outcome",)))
         # --learnt-retention-budget-tokens (impl.router.retention): fleet-wide figures, never per tenant
         self.learnt_retention = r.add(Gauge(p + "learnt_retention", "Learnt per-turn retention, by figure: "
                                             "budget_tokens, price_per_token_s (the value of a token-second of D's memory "

@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import json
@@ -175,9 +174,6 @@ class TurnProxy:
         self.recorder = TurnRecorder(config, store, hub, metrics, clock)
         # give-back D's renewal before P reads (impl.router.heartbeat.HeartbeatRelay.renew_for_read; set by the app)
         self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
-        # D's release of a turn P declined (HeartbeatRelay.release; set by the app), run off the turn's path
-        self.release_declined: Callable[[ConversationEntry], Awaitable[str]] | None = None
-        self._releasing: set[asyncio.Task] = set()
         self.tracer: TurnTracer | None = None  # --trace-out (set by the app)
         self.retention: RouterRetention | None = None  # --learnt-retention-budget-tokens (set by the app)
 
@@ -227,10 +223,6 @@ class TurnProxy:
             info["X-Bidikv-Reuse-Given-Back"] = "1"
         if offered is not None:
             self._account_reuse(prefill, info, key)
-            if self.release_declined is not None and _declined(prefill.reuse_report):
-                task = asyncio.get_running_loop().create_task(self._release(offered))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
         handed_off = recorded = False
         stored_key: tuple[str, str] | None = None
 
@@ -414,16 +406,6 @@ class TurnProxy:
                 reuse = False
                 tried.discard(upstream.name)
                 self.metrics.reuse_misses.inc("prefill_error")
-
-    async def _release(self, entry: ConversationEntry) -> None:
-        """P will not read ``entry``'s blocks: D may free them now (the turn took the entry, so no other
-        P has its params). Best effort: a lost release leaves the blocks to their expiry, as before."""
-        try:
-            outcome = await self.release_declined(entry)  # type: ignore[misc]
-        except Exception:  # never an unhandled task error: the turn is served either way
-            log.exception("releasing a declined turn's blocks failed")
-            outcome = "error"
-        self.metrics.declined_releases.inc(outcome)
 
     def _account_reuse(self, prefill: PrefillResult, info: dict[str, str], key: tuple[str, str] | None) -> None:
         """P's report of an offered turn: counted, logged when P refused part of it, and in the headers."""
@@ -715,11 +697,3 @@ def _cached_tokens(body: dict[str, Any]) -> int | None:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _declined(report: Any) -> bool:
-    """P's report (our connector on P) says it was offered tokens and read none of them."""
-    if not isinstance(report, dict):
-        return False  # a P without our connector: whether it read is unknown, D keeps the blocks
-    offered, pulled = report.get("offered"), report.get("pulled")
-    return type(offered) is int and offered > 0 and pulled == 0

@@ -176,38 +176,3 @@ def test_give_back_needs_the_heartbeat_listener_and_its_keys_need_give_back(mode
         make_scheduler(make_vllm_config(model_dir, "kv_consumer", {
             "bidikv_retained_under_pressure": "give_back", "bidikv_give_back_publish_window_s": 3,
             "bidikv_heartbeat_port": free_port()}))
-
-
-@pytest.mark.parametrize("mode", ["pinned", "give_back"])
-def test_a_read_p_declined_and_the_router_released_is_freed_now_and_the_waiting_request_runs(model_dir, mode):
-    """The router's release (POST /bidikv/release on D's listener, over the socket): D hands the worker a
-    deadline of now, as P's read notification would free it, instead of the TTL; the request waiting for
-    blocks then runs. A second release, or one for a turn D does not hold, is answered at once."""
-    from impl.connector.heartbeat import HEARTBEAT_PATH, RELEASE_PATH
-    from tests.connector.test_heartbeat import Heartbeat, post, wait_queued
-
-    scheduler, cs, held, waiting = _fill_then_wait(model_dir, mode)
-    try:
-        declined = held[1]  # not the one give_back's pressure names first
-        url = cs.heartbeats.url.replace(HEARTBEAT_PATH, RELEASE_PATH)
-        ask = Heartbeat(url, {"request_id": declined.request_id, "engine_id": cs.engine_id})
-        wait_queued(cs)
-        so = scheduler.schedule()
-        ask.join(5)
-        assert ask.result == (200, {"status": "released"})
-        assert so.kv_connector_metadata.reqs_to_send[declined.request_id] == pytest.approx(1020.0)  # now
-        assert declined.request_id not in cs._retained
-        if mode == "give_back":
-            assert declined.request_id not in cs.give_back  # never withheld, never renewed again
-        # vLLM's worker reaps a deadline that has passed at its next step and reports it finished_sending
-        counts = _bidikv_counts(scheduler.update_from_output(
-            so, empty_output(FakeNixlTransfers().peer_read(declined.request_id).output())))
-        so = scheduler.schedule()
-        assert waiting.request_id in so.num_scheduled_tokens or waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        for key, value in _bidikv_counts(scheduler.update_from_output(so, empty_output())).items():
-            counts[key] = counts.get(key, 0) + value
-        assert counts.get("bidikv_released_on_decline") == 1
-        assert post(url, {"request_id": declined.request_id}) == (200, {"status": "not_held", "reason": "unknown"})
-        assert cs.released_on_decline == 1
-    finally:
-        cs.shutdown()

@@ -78,7 +78,6 @@ class FakeVllmUpstream:
     # offer with a report verifying ``verified_share`` of it; ``reasoning``: D's answer carries reasoning_content
     publish_check: bool = False
     verified_share: float = 0.5
-    declines: bool = False  # P: verifies what it is offered but pulls none of it (below its threshold), and says so
     reasoning: bool = False
     _peers: set = field(default_factory=set)
     received: list[Received] = field(default_factory=list)
@@ -176,10 +175,7 @@ class FakeVllmUpstream:
         }
         # vLLM with --enable-prompt-tokens-details reports the prompt tokens it did not compute
         offered = (body.get("kv_transfer_params") or {}).get("remote_num_tokens") or 0
-        if self.declines and offered:
-            params["bidikv_reuse"] = {"path": "d_to_p", "offered": offered, "verified": offered, "pulled": 0,
-                                      "reason": "full"}
-        elif "bidikv_prefix_check" in (body.get("kv_transfer_params") or {}):
+        if "bidikv_prefix_check" in (body.get("kv_transfer_params") or {}):
             verified = int(offered * self.verified_share)
             params["bidikv_reuse"] = {"path": "d_to_p", "offered": offered, "verified": verified, "pulled": verified,
                                       "reason": "full" if verified == offered else "partial"}
@@ -326,9 +322,7 @@ class FakeHeartbeatDecode(FakeVllmUpstream):
     in ``held`` the expiry of each request it holds, on its own clock."""
 
     heartbeats: list[dict[str, Any]] = field(default_factory=list)
-    releases: list[dict[str, Any]] = field(default_factory=list)  # bodies POSTed to /bidikv/release
     held: dict[str, float] = field(default_factory=dict)  # D request id -> expiry on D's clock
-    knows_release: bool = True  # False: an older D, whose listener answers the release path 404
     hb_port: int = 0
     _hb_runner: web.AppRunner | None = None
 
@@ -336,7 +330,6 @@ class FakeHeartbeatDecode(FakeVllmUpstream):
         await super().start(port)
         app = web.Application()
         app.router.add_post("/bidikv/heartbeat", self._heartbeat)
-        app.router.add_post("/bidikv/release", self._release)
         self._hb_runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._hb_runner.setup()
         site = web.TCPSite(self._hb_runner, "127.0.0.1", 0)
@@ -355,13 +348,3 @@ class FakeHeartbeatDecode(FakeVllmUpstream):
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         raise NotImplementedError
-
-    async def _release(self, request: web.Request) -> web.Response:
-        """The connector's answer to a release: the blocks go (once), later releases find nothing."""
-        if not self.knows_release:
-            return web.json_response({"error": "not found"}, status=404)
-        body = await request.json()
-        self.releases.append(body)
-        if self.held.pop(body.get("request_id"), None) is None:
-            return web.json_response({"status": "not_held", "reason": "unknown"})
-        return web.json_response({"status": "released"})
