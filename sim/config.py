@@ -82,8 +82,9 @@ class PolicyConfig:
     give_back_publish_window_s: float = _f(15.0, "give_back: how far ahead D publishes an expiry (the worst-case "
                                                  "time to give memory back; more than expiry_margin_s)")
     give_back_headroom: float = _f(0.05, "give_back: share of D's pool kept free or coming free (the watermark)")
-    decline_frees_d: bool = _f(False, "P tells D when it declines a pull (threshold, expiry margin, verification), "
-                                      "so D frees those blocks at once; stock vLLM does not (D holds them to the TTL)")
+    decline_frees_d: bool = _f(True, "a P that declines a pull (threshold, verification) frees D's blocks at once, "
+                                     "as vLLM's P does (its scheduler sends D the notification of an empty read); "
+                                     "off: D holds them to the TTL")
     placement: str = _f("round_robin", "instance placement", choices=("round_robin", "least_loaded", "kv_aware"))
     max_conversations: int = _f(1_000_000, "router conversation-store bound (LRU)")
 

@@ -164,8 +164,9 @@ class PrefillNode:
         self.queued_tokens = 0
         self.load_dirty: set[PrefillNode] = set()  # the router's: this node adds itself when queued_tokens changes
         self.busy_s = 0.0
-        # P tells D when it declines a pull (bidikv's connector: PolicyConfig.decline_frees_d); stock vLLM
-        # does not, and D holds the blocks to their expiry
+        # P tells D when it declines a pull: vLLM's P scheduler, given 0 external tokens for a request with
+        # D's block ids, queues an empty read whose notification frees them (nixl/pull_scheduler.py,
+        # update_state_after_alloc); set by the cluster from PolicyConfig.decline_frees_d
         self.decline_frees_d = False
 
     # -- one turn -----------------------------------------------------------------------------
@@ -202,10 +203,8 @@ class PrefillNode:
             reason = rec.decision_reason = decision.reason._value_
             if decision.pull:
                 refusal = d_node.begin_read(conv_key, revision, self.env._now)
-                if refusal:
+                if refusal:  # gone, or within the margin: vLLM's worker declines that read without a word to D
                     rec.decision, rec.miss_reason = "recompute", refusal
-                    if self.decline_frees_d:
-                        d_node.declined(conv_key, self.env._now)
                 else:
                     rec.decision = "pull"
                     reused = rec.pulled_tokens = decision.tokens

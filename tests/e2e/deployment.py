@@ -293,6 +293,7 @@ class DeploymentSpec:
     env: dict[str, str] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
     prefill_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags for P only
+    decode_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags for D only
     max_model_len: int = 2048
     decode_kv_blocks: int = NUM_KV_BLOCKS  # D's KV pool (vLLM keeps one block back: the null block)
     decode_env: dict[str, str] = field(default_factory=dict)
@@ -331,7 +332,7 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
     prefill = Process("prefill", p_port, vllm_cmd(model_dir, p_port, kv_transfer_config(
         "kv_producer", p_extra, recompute_on_failure=True), spec.max_model_len) + spec.prefill_args, server_env(p_side, {**spec.env, **spec.prefill_env}), log_dir / "prefill.log")
     decode = Process("decode", d_port, vllm_cmd(model_dir, d_port, kv_transfer_config(
-        "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len, spec.decode_kv_blocks), server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
+        "kv_consumer", d_extra, recompute_on_failure=False), spec.max_model_len, spec.decode_kv_blocks) + spec.decode_args, server_env(d_side, {**spec.env, **spec.decode_env}), log_dir / "decode.log")
     prefill.cpus, decode.cpus = spec.prefill_cpus, spec.decode_cpus
     reference = None
     if spec.reference:

@@ -131,3 +131,49 @@ def test_give_back_frees_idle_retained_turns_for_new_work_and_keeps_reuse_for_th
     assert got["given"]["given_back_header"] == "1" and got["given"]["pulled_tokens"] == 0, got
     assert got["kept"]["pulled_tokens"] > 0 and got["kept"]["given_back_header"] is None, got
     assert got["texts_equal"], got
+
+
+def test_a_pull_p_declines_frees_d_s_blocks_through_vllm_s_own_notification(e2e: E2E, tokenizer):
+    """Pinned D (vLLM's retention), P declining every pull (its threshold above any turn here): two
+    filling turns leave 9 of D's 40 blocks free, and the first conversation's next turn needs 15. vLLM's P,
+    given 0 external tokens for a request that carries D's block ids, still queues an empty read whose
+    notification frees them on D (nixl/pull_scheduler.py, update_state_after_alloc), so the declined turn's
+    blocks do not stay pinned to the TTL and the turn waits only for P's first NIXL handshake with D
+    (measured 5.1-5.3 s here), not the 45 s TTL. This is what the simulator's decline_frees_d models.
+
+    D's prefix cache is off: it stands for a fleet, where the next turn mostly lands on another D, which
+    cannot share the declined turn's blocks. With one D and its prefix cache on, the next turn would share
+    them (a local hit on D) and not wait at all."""
+    spec = _spec(e2e, "pinned")
+    spec.prefill_extra = {"kv_recompute_threshold": 100_000}
+    spec.decode_args = ["--no-enable-prefix-caching"]
+    dep = start_deployment(e2e.model_dir, e2e.log_dir / "decode-memory-declined", spec)
+    try:
+        router, p_url, d_url = dep.router.url, dep.prefill.url, dep.decode.url
+        texts_equal = True
+        fills = {}
+        for tag in ("declined", "other"):
+            cid = f"{tag}-{uuid.uuid4().hex}"
+            messages = _prompt(tokenizer, tag, FILL_TOKENS)
+            answer = chat(router, messages, max_tokens=ANSWER, conversation_id=cid, timeout=300)
+            texts_equal &= answer.text == reference_text(e2e, messages, ANSWER)
+            fills[tag] = (cid, messages + [{"role": "assistant", "content": answer.text}, user("And then?")])
+        used_before = Metrics.scrape(d_url).value("vllm:kv_cache_usage_perc")
+        before_d, before_p = pull_counters(d_url), counters_at(p_url, d_url, router)
+        cid, messages = fills["declined"]
+        again = chat(router, messages, max_tokens=8, conversation_id=cid, timeout=300)
+        texts_equal &= again.text == reference_text(e2e, messages, 8)
+        time.sleep(1.0)
+        after_p = counters_at(p_url, d_url, router)
+        got = {"ttft_s": again.ttft_s, "offered": again.headers.get("X-Bidikv-Reuse-Offered-Tokens"),
+               "d_usage_before": used_before,
+               "p_pulled_tokens": after_p["p"]["external_tokens"] - before_p["p"]["external_tokens"],
+               "d_expired": pull_counters(d_url)["expired"] - before_d["expired"], "texts_equal": texts_equal}
+        print(f"\ndeclined: {got}")
+        assert int(got["offered"]) > 0 and got["p_pulled_tokens"] == 0, got  # offered, and P declined it
+        assert got["d_usage_before"] > 1 - 15 / 40, got  # the next turn did not fit beside the retained turns
+        assert got["d_expired"] == 0, got  # no TTL ran out: the blocks were freed by P's notification
+        assert got["ttft_s"] is not None and got["ttft_s"] < TTL_S - 20.0, got
+        assert got["texts_equal"], got
+    finally:
+        dep.stop()
