@@ -2,6 +2,7 @@
 
 Run: python benchmarks/decode_memory.py --trace path/to/conversation_trace.jsonl [--num-prefill 4 --num-decode 4]
      [--decode-hbm-gb GB] [--ttls 30,60,120,240,480] [--give-back-ttls 120,480,3600] [--workers 2]
+     [--write-docs docs/results/decode-memory.md]
 
 For each configuration: TTFT p50/p90, TPOT p50, the turns' time waiting at D for blocks (in all, and the
 99th percentile of a waiting turn), how many waits retained blocks caused (they alone would have made room),
@@ -27,6 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.generated_section import shown_command, write_between_markers  # noqa: E402
+
+SCRIPT = "benchmarks/decode_memory.py"
 
 
 def _one(args: tuple[str, dict, dict]) -> tuple[str, dict, float]:
@@ -67,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--give-back-window-s", type=float, default=15.0)
     ap.add_argument("--give-back-headroom", type=float, default=0.05)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip the two rows that say what limits giving back: instant_drop (no protocol) and "
+                         "give_back with twice D's memory")
+    ap.add_argument("--write-docs", metavar="MARKDOWN",
+                    help="also write the table into this page, between its generated-section markers")
     args = ap.parse_args(argv)
 
     from calibration.profile import LatencyProfile
@@ -84,9 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append((f"give_back ttl={ttl:g}s", base, {
             "decoder_kv_blocks_ttl": ttl, "retained_under_pressure": "give_back",
             "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}))
-    print(f"command: python benchmarks/decode_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  machine: {platform.node()} {os.cpu_count()} cores  "
-          f"load before: {os.getloadavg()[0]:.2f}")
+    longest = max((float(x) for x in args.give_back_ttls.split(",") if x.strip()), default=3600.0)
+    if args.bounds:
+        jobs.append((f"instant_drop ttl={longest:g}s", base, {
+            "decoder_kv_blocks_ttl": longest, "retained_under_pressure": "instant_drop"}))
+        jobs.append((f"give_back ttl={longest:g}s, 2x D memory", dict(base, decode_kv_blocks=2 * blocks), {
+            "decoder_kv_blocks_ttl": longest, "retained_under_pressure": "give_back",
+            "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}))
+    command = f"python benchmarks/decode_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    date = time.strftime('%Y-%m-%d %H:%M %Z')
+    load_before = os.getloadavg()[0]
+    print(f"command: {command}")
+    print(f"date: {date}  machine: {platform.node()} {os.cpu_count()} cores  load before: {load_before:.2f}")
     print(f"cluster: {args.num_prefill}P{args.num_decode}D, {args.profile}, {blocks:,} KV blocks "
           f"({blocks * block_gb:,.0f} GB) per decode instance")
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
@@ -94,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     off, oracle = results["OFF (one-way)"][0], results["oracle (pinned)"][0]
     default_hbm = results.get("pinned ttl=480s", (None,))[0]
     saving = off["tokens_recomputed"] - oracle["tokens_recomputed"]
-    head = (f"{'configuration':<24}{'TTFT p50':>9}{'p90':>9}{'TPOT p50':>9}{'D wait s':>10}{'p99 s':>7}"
+    head = (f"{'configuration':<34}{'TTFT p50':>9}{'p90':>9}{'TPOT p50':>9}{'D wait s':>10}{'p99 s':>7}"
             f"{'behind':>8}{'preempt':>8}{'(ret.)':>7}{'given':>7}{'HBM vs480':>10}{'oracle%':>8}{'cpu s':>7}")
     print(head)
     for label, _, _ in jobs:
         m, cpu = results[label]
         share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
         hbm = m["retained_hbm_gb_s"] / default_hbm["retained_hbm_gb_s"] if default_hbm and default_hbm["retained_hbm_gb_s"] else math.nan
-        print(f"{label:<24}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['tpot_p50_ms']:>9.1f}"
+        print(f"{label:<34}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['tpot_p50_ms']:>9.1f}"
               f"{m['d_wait_total_s']:>10,.0f}{m['d_wait_p99_s']:>7,.0f}{m['waits_behind_retained']:>8,}"
               f"{m['preemptions']:>8,}{m['preemptions_behind_retained']:>7,}{m['given_back']:>7,}{hbm:>10.2f}"
               f"{share:>8.1f}{cpu:>7.1f}")
@@ -109,8 +128,33 @@ def main(argv: list[str] | None = None) -> int:
           "retained blocks alone would have made room for; preempt (ret.): preemptions, and those while retained "
           "blocks held part of the pool; given: retained turns given back; oracle%: share of the oracle's compute "
           "saving over OFF)")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
+    load_after = os.getloadavg()[0]
+    print(f"load after: {load_after:.2f}")
+    if args.write_docs:
+        rows = []
+        for label, _, _ in jobs:
+            m = results[label][0]
+            share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
+            hbm = m["retained_hbm_gb_s"] / default_hbm["retained_hbm_gb_s"] if default_hbm and default_hbm["retained_hbm_gb_s"] else math.nan
+            rows.append((label, m, share, hbm))
+        when = f"{date}, {os.cpu_count()} cores, 1-minute load {load_before:.2f} before and {load_after:.2f} after"
+        cluster = f"{args.num_prefill}P{args.num_decode}D, {args.profile}, {blocks * block_gb:,.0f} GB of KV per decode instance"
+        write_between_markers(Path(args.write_docs), markdown(shown_command(command, args.trace), when, cluster, rows),
+                              SCRIPT)
+        print(f"wrote the table into {args.write_docs}")
     return 0
+
+
+def markdown(command: str, when: str, cluster: str, rows) -> str:
+    out = [f"Generated by `{command}` ({when}); {cluster}.", "",
+           "| configuration | TTFT p50 / p90 ms | TPOT p50 ms | turns' wait at D for blocks | preemptions | "
+           "retained HBM vs 480 s | % of oracle's compute saving |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, m, share, hbm in rows:
+        wait = (f"{m['d_wait_total_s']:,.0f} s (p99 {m['d_wait_p99_s']:,.0f} s)" if m["d_wait_total_s"] else "0")
+        out.append(f"| {label} | {m['ttft_p50_ms']:,.0f} / {m['ttft_p90_ms']:,.0f} | {m['tpot_p50_ms']:.1f} | {wait} | "
+                   f"{m['preemptions']:,} | {hbm:.2f} | {share:.1f} |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
