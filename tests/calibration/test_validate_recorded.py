@@ -12,6 +12,8 @@ run's deployment.json holds `uptime` before and after).
     ttl30-c2  ON, threshold 64, TTL 30  8     2        x0.03        held out: a TTL no gap outlives
     off-c2    OFF                       8     2        x0.03        held out: bidirectional OFF
     off-c1    OFF                       7     1        x0.01        held out: OFF, one client
+    press-c2  ON, threshold 64, TTL 60, 8     2        x0.03        held out: D's memory binds (95 usable
+              a 96-block D pool                                   blocks, pinned retention)
 
 What each deployment did (offered, pulled) is in the JSONL, from the router's and P's headers: the
 decisions the simulator must match are vLLM's, not this code's. The latency bounds asserted are the
@@ -104,3 +106,22 @@ def test_cli_held_out_run(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "held out (not fitted on)" in out and "decisions agree 32/32" in out
+
+
+# press-c2: on-c2's workload (seed 8, 2 clients, x0.03) on a D whose memory binds: a 96-block pool (95 usable)
+# and a 60 s TTL, pinned as vLLM pins (recorded 2026-12-05 00:09 UTC, load 1.2-1.9, P core 0, D core 1, nice
+# -15; TTFT p50 9.8 s / p90 44.3 s for first turns: turns waited for D's blocks).
+def test_under_d_memory_pressure_every_decision_and_pulled_token_still_agrees():
+    s = _summary("press-c2")
+    assert s["turns"] == 24
+    assert s["decisions_agree"] == s["pulled_tokens_agree"] == 24, s["decision_matrix"]
+    assert s["decision_matrix"] == {"none": {"none": 6}, "pulled": {"pulled": 18}}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the simulator's pinned D lets through turns vLLM's D holds: replayed, TTFT median |error| 88 %, p90 "
+    "99.6 %, signed median -71 % (continuing turns waited 20-45 s on the real D, ~0.1 s simulated) -- an open "
+    "fidelity gap of the pinned model, not met yet; strict, so closing it turns this test red"))
+def test_under_d_memory_pressure_the_replay_meets_the_latency_targets():
+    ttft = _summary("press-c2")["overall"]["ttft"]
+    assert ttft["median_abs_pct"] <= 15 and ttft["p90_abs_pct"] <= 30, ttft

@@ -19,6 +19,8 @@ load it ran under.
     ttl30-c2    ON  thr 64  TTL 30 s   8     2            0.03        held out: a TTL no gap outlives
     off-c1      OFF                    7     1            0.01        held out: the whole history recomputed
     off-c2      OFF                    8     2            0.03        held out: OFF on on-c2's workload
+    press-c2    ON  thr 64  TTL 60 s   8     2            0.03        held out: D's memory binds (a 96-block
+                D pool, 95 usable): retained turns pinned to the TTL, later turns wait for blocks
 
 On a machine other work shares, run it at a higher priority than that work (as root: ``nice -n -15
 .venv/bin/python -m tests.e2e.record_validate ...``): the servers, the router and the bench client inherit
@@ -47,12 +49,15 @@ from tests.e2e.deployment import BLOCK_SIZE, autogroup_takes_our_niceness, NUM_K
 from tests.e2e.measure_on_off import WORKLOAD_TOML, _warmup_config, bench
 from tests.e2e.tiny_model import build_tiny_model, kv_bytes_per_token
 
-# deployment name -> (bidirectional, kv_recompute_threshold, decoder_kv_blocks_ttl)
-DEPLOYMENTS = {"on": (True, 64, 10.0), "t512": (True, 512, 10.0), "ttl30": (True, 64, 30.0), "off": (False, 64, 480.0)}
+PRESSURE_BLOCKS = 96  # 95 usable: three conversations' retained turns (up to ~45 blocks each) fill it
+
+# deployment name -> (bidirectional, kv_recompute_threshold, decoder_kv_blocks_ttl, D's KV blocks or None: the default)
+DEPLOYMENTS = {"on": (True, 64, 10.0, None), "t512": (True, 512, 10.0, None), "ttl30": (True, 64, 30.0, None),
+               "off": (False, 64, 480.0, None), "press": (True, 64, 60.0, PRESSURE_BLOCKS)}
 # (name, deployment, seed, concurrency, gap_scale)
 RUNS = (("on-c1", "on", 7, 1, 0.01), ("on-c2a", "on", 9, 2, 0.01), ("on-c2", "on", 8, 2, 0.03),
         ("on-c3", "on", 10, 3, 0.01), ("t512-c2", "t512", 8, 2, 0.03), ("ttl30-c2", "ttl30", 8, 2, 0.03),
-        ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 8, 2, 0.03))
+        ("off-c1", "off", 7, 1, 0.01), ("off-c2", "off", 8, 2, 0.03), ("press-c2", "press", 8, 2, 0.03))
 
 
 def _uptime() -> str:
@@ -80,7 +85,7 @@ def main() -> int:
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     model = build_tiny_model(out / f"model-h{args.hidden}-l{args.layers}", hidden_size=args.hidden,
                              num_hidden_layers=args.layers)
-    for deployment, (bidirectional, threshold, ttl) in DEPLOYMENTS.items():
+    for deployment, (bidirectional, threshold, ttl, d_blocks) in DEPLOYMENTS.items():
         if args.only and deployment not in args.only:
             continue
         mode = "on" if bidirectional else "off"
@@ -89,7 +94,10 @@ def main() -> int:
             extra["bidikv_idle_step_sleep_s"] = args.idle_step_sleep_s
         spec = DeploymentSpec(threshold=threshold, decoder_ttl_s=ttl, reference=False, router=True,
                               prefill_extra=dict(extra), decode_extra=dict(extra),
-                              prefill_args=["--no-enable-prefix-caching"], max_model_len=4096,
+                              prefill_args=["--no-enable-prefix-caching"],
+                              # vLLM refuses a max_model_len the KV pool cannot hold
+                              max_model_len=4096 if d_blocks is None else 2048,
+                              decode_kv_blocks=d_blocks or NUM_KV_BLOCKS,
                               prefill_cpus=frozenset({0}) if pin else None, decode_cpus=frozenset({1}) if pin else None)
         started = time.monotonic()
         dep = start_deployment(model, out / f"logs-{deployment}", spec)
@@ -108,7 +116,7 @@ def main() -> int:
                 settings = {"mode": mode, "bidirectional": bidirectional, "kv_recompute_threshold": threshold,
                             "decoder_kv_blocks_ttl": ttl, "block_size": BLOCK_SIZE,
                             "kv_bytes_per_token": kv_bytes_per_token(args.hidden, args.layers),
-                            "decode_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8,  # deployment.vllm_cmd's
+                            "decode_kv_blocks": d_blocks or NUM_KV_BLOCKS, "max_num_seqs": 8,  # deployment.vllm_cmd's
                             "prefix_caching_on_p": False, "concurrency": concurrency, "gap_scale": gap, "seed": seed,
                             "model": f"tiny h{args.hidden} l{args.layers} float32",
                             "pinning": "P core 0, D core 1, router and client unpinned" if pin else "none",
