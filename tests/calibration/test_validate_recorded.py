@@ -109,8 +109,8 @@ def test_cli_held_out_run(capsys):
 
 
 # press-c2: on-c2's workload (seed 8, 2 clients, x0.03) on a D whose memory binds: a 96-block pool (95 usable)
-# and a 60 s TTL, pinned as vLLM pins (recorded 2026-12-05 00:09 UTC, load 1.2-1.9, P core 0, D core 1, nice
-# -15; TTFT p50 9.8 s / p90 44.3 s for first turns: turns waited for D's blocks).
+# and a 60 s TTL, pinned as vLLM pins (recorded 2026-12-05 00:20 UTC, load 0.6-1.6, P core 0, D core 1, nice
+# -15, D empty when it started). Five turns waited 45-60 s for D's blocks behind retained turns.
 def test_under_d_memory_pressure_every_decision_and_pulled_token_still_agrees():
     s = _summary("press-c2")
     assert s["turns"] == 24
@@ -118,10 +118,13 @@ def test_under_d_memory_pressure_every_decision_and_pulled_token_still_agrees():
     assert s["decision_matrix"] == {"none": {"none": 6}, "pulled": {"pulled": 18}}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the simulator's pinned D lets through turns vLLM's D holds: replayed, TTFT median |error| 88 %, p90 "
-    "99.6 %, signed median -71 % (continuing turns waited 20-45 s on the real D, ~0.1 s simulated) -- an open "
-    "fidelity gap of the pinned model, not met yet; strict, so closing it turns this test red"))
-def test_under_d_memory_pressure_the_replay_meets_the_latency_targets():
-    ttft = _summary("press-c2")["overall"]["ttft"]
+def test_under_d_memory_pressure_the_replay_meets_the_latency_targets_waits_included():
+    """The waits are most of the latency here: the turns that waited (real TTFT > 30 s) must each be
+    predicted within 10 %, and the run as a whole within the targets of the other held-out runs."""
+    summary, turns = validate_run(read_jsonl(str(_path("press-c2"))), _fitted(), settings_for(_path("press-c2")))
+    ttft = summary["overall"]["ttft"]
     assert ttft["median_abs_pct"] <= 15 and ttft["p90_abs_pct"] <= 30, ttft
+    waited = [t for t in turns if t.real_ttft_s > 30.0]
+    assert len(waited) >= 3, [t.real_ttft_s for t in turns]
+    for t in waited:
+        assert abs(t.sim_ttft_s / t.real_ttft_s - 1) <= 0.10, t

@@ -108,6 +108,11 @@ def main() -> int:
             for name, run_deployment, seed, concurrency, gap in RUNS:
                 if run_deployment != deployment:
                     continue
+                if d_blocks is not None:
+                    # D must hold nothing of the warm-up (or of a previous run) when a pressure run starts: the
+                    # replay knows only the run's own turns, and a leftover turn pinned to the TTL takes blocks
+                    # (the first press-c2 recording, without this, had a turn wait 45 s for the warm-up's)
+                    time.sleep(ttl + 2.0)
                 config = out / f"{name}.toml"
                 config.write_text(WORKLOAD_TOML.format(seed=seed, conversations=args.conversations,
                                                        messages=args.messages))
