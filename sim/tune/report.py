@@ -83,12 +83,16 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
         mark += "" if p.feasible else " over budget"
         mark += " ~ screened" if p.screened else ""
         at_least = ">" if p.screened else ""  # a screened TTFT is a lower bound
-        lines.append(f"{row_label(p, members):<{width}}{at_least + _n(m['ttft_p50_ms']):>9}"
-                     f"{at_least + _n(m['ttft_p90_ms']):>8}{at_least + _n(m['ttft_p99_ms']):>8}"
-                     f"{_n(m['retained_hbm_gb_s']):>11}{_n(m['peak_retained_hbm_gb'], ',.1f'):>8}"
-                     f"{_n(p.hbm_vs_default, '.2f'):>8}{_n(p.compute_saving_pct_of_oracle, '.1f'):>9}"
-                     f"{_n(p.ttft_saving_pct_of_oracle, '.1f'):>7}{_n(p.compute_saving_pct_of_bound, '.1f'):>7}"
-                     f"{_n(m.get('d_wait_total_s', 0.0), ',.0f'):>9}{m['preemptions']:>8}{m['rejected']:>5}  {mark}")
+        cells = ((at_least + _n(m["ttft_p50_ms"]), 9), (at_least + _n(m["ttft_p90_ms"]), 8),
+                 (at_least + _n(m["ttft_p99_ms"]), 8), (_n(m["retained_hbm_gb_s"]), 11),
+                 (_n(m["peak_retained_hbm_gb"], ",.1f"), 8), (_n(p.hbm_vs_default, ".2f"), 8),
+                 (_n(p.compute_saving_pct_of_oracle, ".1f"), 9), (_n(p.ttft_saving_pct_of_oracle, ".1f"), 7),
+                 (_n(p.compute_saving_pct_of_bound, ".1f"), 7), (_n(m.get("d_wait_total_s", 0.0), ",.0f"), 9),
+                 (str(m["preemptions"]), 8), (str(m["rejected"]), 5))
+        # a leading space in every cell: a figure wider than its column (minutes of TTFT, a million seconds of
+        # D wait) pushes the row right instead of running into its neighbour
+        lines.append(f"{row_label(p, members):<{width}}" + "".join(f"{' ' + text:>{w}}" for text, w in cells)
+                     + f"  {mark}")
     lines.append("(* recommended, F on the Pareto frontier of objective vs retained HBM*s; \"= thr ...\": those "
                  "thresholds gave exactly the same results" + ("; ~ screened, not simulated: reuse figures exact, TTFT "
                  "a lower bound (>), HBM*s an estimate within bounds (--json), never recommended)"
