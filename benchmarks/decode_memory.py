@@ -90,17 +90,18 @@ def main(argv: list[str] | None = None) -> int:
             ("oracle (pinned)", base, {"retention": "oracle", "recompute_policy": "break_even"})]
     for ttl in (float(x) for x in args.ttls.split(",") if x.strip()):
         jobs.append((f"pinned ttl={ttl:g}s", base, {"decoder_kv_blocks_ttl": ttl}))
+    def give_back(ttl: float) -> dict:
+        return {"decoder_kv_blocks_ttl": ttl, "retained_under_pressure": "give_back",
+                "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}
+
     for ttl in (float(x) for x in args.give_back_ttls.split(",") if x.strip()):
-        jobs.append((f"give_back ttl={ttl:g}s", base, {
-            "decoder_kv_blocks_ttl": ttl, "retained_under_pressure": "give_back",
-            "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}))
+        jobs.append((f"give_back ttl={ttl:g}s", base, give_back(ttl)))
     longest = max((float(x) for x in args.give_back_ttls.split(",") if x.strip()), default=3600.0)
     if args.bounds:
         jobs.append((f"instant_drop ttl={longest:g}s", base, {
             "decoder_kv_blocks_ttl": longest, "retained_under_pressure": "instant_drop"}))
-        jobs.append((f"give_back ttl={longest:g}s, 2x D memory", dict(base, decode_kv_blocks=2 * blocks), {
-            "decoder_kv_blocks_ttl": longest, "retained_under_pressure": "give_back",
-            "give_back_publish_window_s": args.give_back_window_s, "give_back_headroom": args.give_back_headroom}))
+        jobs.append((f"give_back ttl={longest:g}s, 2x D memory", dict(base, decode_kv_blocks=2 * blocks),
+                     give_back(longest)))
     command = f"python benchmarks/decode_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     date = time.strftime('%Y-%m-%d %H:%M %Z')
     load_before = os.getloadavg()[0]
@@ -116,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'configuration':<34}{'TTFT p50':>9}{'p90':>9}{'TPOT p50':>9}{'D wait s':>10}{'p99 s':>7}"
             f"{'behind':>8}{'preempt':>8}{'(ret.)':>7}{'given':>7}{'HBM vs480':>10}{'oracle%':>8}{'cpu s':>7}")
     print(head)
+    rows = []  # (label, figures, share of the oracle's saving, retained HBM vs vLLM's default)
     for label, _, _ in jobs:
         m, cpu = results[label]
         share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
         hbm = m["retained_hbm_gb_s"] / default_hbm["retained_hbm_gb_s"] if default_hbm and default_hbm["retained_hbm_gb_s"] else math.nan
+        rows.append((label, m, share, hbm))
         print(f"{label:<34}{m['ttft_p50_ms']:>9,.0f}{m['ttft_p90_ms']:>9,.0f}{m['tpot_p50_ms']:>9.1f}"
               f"{m['d_wait_total_s']:>10,.0f}{m['d_wait_p99_s']:>7,.0f}{m['waits_behind_retained']:>8,}"
               f"{m['preemptions']:>8,}{m['preemptions_behind_retained']:>7,}{m['given_back']:>7,}{hbm:>10.2f}"
@@ -131,12 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()[0]
     print(f"load after: {load_after:.2f}")
     if args.write_docs:
-        rows = []
-        for label, _, _ in jobs:
-            m = results[label][0]
-            share = (off["tokens_recomputed"] - m["tokens_recomputed"]) / saving * 100 if saving else math.nan
-            hbm = m["retained_hbm_gb_s"] / default_hbm["retained_hbm_gb_s"] if default_hbm and default_hbm["retained_hbm_gb_s"] else math.nan
-            rows.append((label, m, share, hbm))
         when = f"{date}, {os.cpu_count()} cores, 1-minute load {load_before:.2f} before and {load_after:.2f} after"
         cluster = f"{args.num_prefill}P{args.num_decode}D, {args.profile}, {blocks * block_gb:,.0f} GB of KV per decode instance"
         write_between_markers(Path(args.write_docs), markdown(shown_command(command, args.trace), when, cluster, rows),

@@ -111,7 +111,6 @@ def main() -> int:
                 if d_blocks is not None:
                     # D must hold nothing of the warm-up (or of a previous run) when a pressure run starts: the
                     # replay knows only the run's own turns, and a leftover turn pinned to the TTL takes blocks
-                    # (the first press-c2 recording, without this, had a turn wait 45 s for the warm-up's)
                     time.sleep(ttl + 2.0)
                 config = out / f"{name}.toml"
                 config.write_text(WORKLOAD_TOML.format(seed=seed, conversations=args.conversations,
