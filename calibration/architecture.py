@@ -77,6 +77,9 @@ class Architecture:
     expert_params: float = 0.0  # one routed expert's weights summed over MoE layers (decode)
     experts_per_token: int = 0  # routed experts a token activates per MoE layer
     moe_experts: int = 0  # routed experts per MoE layer
+    moe_layers: int = 0  # layers whose MLP is routed experts
+    sliding_layers: int = 0  # layers that attend only the last sliding_window_tokens (gpt-oss: every other one)
+    sliding_window_tokens: int = 0
 
     @property
     def linear_flops_per_token(self) -> float:
@@ -220,7 +223,23 @@ def architecture_from_config(config: Mapping[str, Any], kv_cache_dtype: str = "a
         expert_params=float(mlp["expert_params"]),
         experts_per_token=mlp["experts_per_token"],
         moe_experts=mlp["experts"],
+        moe_layers=mlp["moe_layers"],
+        **_sliding(f, layers),
     )
+
+
+def _sliding(f: _Fields, layers: int) -> dict[str, int]:
+    """Layers whose attention reads at most ``sliding_window`` keys (``layer_types`` names them), for decode's
+    KV read; the KV bytes per token stay every layer's (what a transfer moves and the pool holds)."""
+    kinds = f.data.get("layer_types")
+    if not kinds:
+        return {}
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise ConfigError(f"{f.source}: field 'layer_types' must list one kind per layer ({layers})")
+    sliding = sum(1 for k in kinds if k == "sliding_attention")
+    if not sliding:
+        return {}
+    return {"sliding_layers": sliding, "sliding_window_tokens": f.int("sliding_window", "tokens a sliding layer reads")}
 
 
 def _activation_dtype(f: _Fields) -> str:
@@ -311,16 +330,18 @@ def _mla_attention(f: _Fields, hidden: int, heads: int, kv_dtype: str) -> dict[s
 
 def _mlp(f: _Fields, hidden: int, layers: int) -> dict[str, Any]:
     mats = 3 if f.str("hidden_act", "silu") in _GATED_ACTS else 2
-    routed = f.data.get("n_routed_experts", f.data.get("num_experts"))
-    if routed is None:
+    # DeepSeek/GLM name routed experts n_routed_experts, Qwen num_experts, Mixtral/gpt-oss num_local_experts
+    # (whose experts are intermediate_size wide: no separate moe_intermediate_size)
+    names = [n for n in ("n_routed_experts", "num_experts", "num_local_experts") if f.data.get(n) is not None]
+    if not names:
         inter = f.int("intermediate_size", "dense MLP width")
         dense = mats * hidden * inter
         return {"active": layers * dense, "total": layers * dense, "expert_params": 0, "experts_per_token": 0,
-                "experts": 0}
-    name = "n_routed_experts" if "n_routed_experts" in f.data else "num_experts"
-    experts = f.int(name, "routed experts")
+                "experts": 0, "moe_layers": 0}
+    experts = f.int(names[0], "routed experts")
     top_k = f.int("num_experts_per_tok", "routed experts per token")
-    moe_inter = f.int("moe_intermediate_size", "expert MLP width")
+    moe_inter = (f.int("intermediate_size", "expert MLP width") if names[0] == "num_local_experts"
+                 and not f.has("moe_intermediate_size") else f.int("moe_intermediate_size", "expert MLP width"))
     shared = f.int("n_shared_experts", "", default=0, minimum=0) if f.has("n_shared_experts") else 0
     shared_inter = (f.int("shared_expert_intermediate_size", "", minimum=0)
                     if f.has("shared_expert_intermediate_size") else shared * moe_inter)
@@ -342,4 +363,5 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> dict[str, Any]:
         "expert_params": n_moe * expert,
         "experts_per_token": top_k,
         "experts": experts,
+        "moe_layers": n_moe,
     }

@@ -15,7 +15,7 @@ from calibration.compose import build_profile
 from calibration.efficiencies import HardwareEfficiencies, efficiencies_path, load_efficiencies
 from calibration.floors import floor_rows
 from calibration.hardware import MEASURED_ON, Hardware, load_hardware
-from calibration.portable import ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
+from calibration.portable import DECODE_SOURCE, ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
 from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
 
@@ -45,6 +45,8 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         same_family = False
         caveats = hardware_caveats(hw, carried=False)  # given terms are not borrowed, but Neuron is still unknown
     model = name or arch.name
+    decode_source = (DECODE_SOURCE if DECODE_SOURCE in eff.provenance.get("source", "")
+                     else f"the decode constants of {engine_source}")
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
     fitted_under = eff.provenance.get("assembly")  # the efficiencies only mean something under their assembly
@@ -62,7 +64,8 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         "carried_from": family_source,
         "engine_terms_from": engine_source,
         "same_family_fit": same_family,
-        "fields": field_sources(profile, family_source, engine_source),
+        "fields": field_sources(profile, family_source, engine_source, decode_source),
+        "decode_terms_from": decode_source,
         "floors": floor_rows(profile, arch, hw, list(DEFAULT_FLOOR_PROMPTS), user_tokens),
     }
     if caveats:  # only off the measured hardware: a p5en profile stays what it was

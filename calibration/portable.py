@@ -14,8 +14,10 @@ sets it and so where it can come from for a model nobody measured:
 * ``engine``     seconds (and the NIC's efficiency) that do not follow from the model: per D->P transfer,
                  per descriptor, per reused token, per request on the TTFT path; exact descriptor and byte
                  counts times one set of values fitted on both measured models at once;
-* ``assumption`` decode: first principles with stated constants (HBM efficiency, per-layer and per-sequence
-                 step costs) that no published p5en figure of the measured models constrains.
+* ``decode``     the decode step: exact bytes, FLOPs and all-reduce counts (calibration.decode_step) times engine
+                 overheads (HBM efficiency; per layer, all-reduce, sequence and step) fitted once across published
+                 vLLM decode measurements of other models and GPUs (calibration.decode_fit,
+                 ``data/decode_overheads.json``): no published p5en figure of the measured models constrains decode.
 
 The split is the data's (calibration.shared_fit): one shared set of engine terms costs the twenty
 published figures ~1-2 points of max error against each model's own fit; sharing the prefill fixed
@@ -31,13 +33,15 @@ from typing import Any
 
 from calibration.architecture import Architecture
 from calibration.closed_form import SHIPPED_ASSEMBLY
+from calibration.decode_fit import load_overheads
+from calibration.decode_step import DecodeOverheads
 from calibration.efficiencies import HardwareEfficiencies
 from calibration.fit import TERM_NAMES, efficiencies_from_vector, target
 from calibration.profile import LatencyProfile
 from calibration.published import MEASURED, MeasuredDeployment
 from calibration.shared_fit import carried_fit, compromise_fit
 
-PHYSICS, FAMILY, ENGINE, ASSUMPTION = "physics", "family", "engine", "assumption"
+PHYSICS, FAMILY, ENGINE, DECODE = "physics", "family", "engine", "decode"
 
 # field -> (kind, what sets it)
 FIELD_KINDS: dict[str, tuple[str, str]] = {
@@ -56,9 +60,9 @@ FIELD_KINDS: dict[str, tuple[str, str]] = {
     "ttft_overhead_fixed_s": (ENGINE, "fitted per request (proxy hops, D's first step)"),
     "ttft_overhead_per_prompt_token_s": (ENGINE, "fitted per prompt token (D re-tokenises the prompt)"),
     "ttft_overhead_per_reused_byte_s": (ENGINE, "fitted per reused KV byte (cause not identified)"),
-    "decode_fixed_s": (ASSUMPTION, "weight bytes / (HBM x hbm_efficiency) + layers x an assumed step cost per layer"),
-    "decode_per_seq_s": (ASSUMPTION, "extra MoE experts read per sequence + an assumed host cost per sequence"),
-    "decode_per_ctx_token_s": (ASSUMPTION, "KV bytes per token per rank / (HBM x hbm_efficiency)"),
+    "decode_fixed_s": (DECODE, "weight bytes / (HBM x fitted hbm_efficiency) + fitted costs per layer, all-reduce, step"),
+    "decode_per_seq_s": (DECODE, "extra MoE experts read + all-reduce bytes per sequence + a fitted cost per sequence"),
+    "decode_per_ctx_token_s": (DECODE, "KV bytes per token per rank / (HBM x fitted hbm_efficiency)"),
 }
 
 
@@ -116,15 +120,27 @@ def efficiencies_for(prefill_model: str | None, family: str = "this family") -> 
             x[TERM_NAMES.index(term)] = compromise_fit().x[first][TERM_NAMES.index(term)]
         text = f"the two-model compromise (no measured model is {family})"
     eff = efficiencies_from_vector(x, MEASURED[0].hardware, {
-        "source": f"calibration.shared_fit: prefill terms of {text}, engine terms of {ENGINE_SOURCE}",
+        "source": f"calibration.shared_fit: prefill terms of {text}, engine terms of {ENGINE_SOURCE}; "
+                  f"decode overheads of {DECODE_SOURCE}",
         "assembly": SHIPPED_ASSEMBLY.describe()})
-    return eff, text
+    return with_decode_overheads(eff, load_overheads()), text
 
 
-def field_sources(profile: LatencyProfile, family_source: str, engine_source: str) -> list[dict[str, Any]]:
+DECODE_SOURCE = "published vLLM decode measurements of other models and GPUs (calibration.decode_fit)"
+
+
+def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads) -> HardwareEfficiencies:
+    """``eff`` with its decode terms replaced by the cross-model decode fit's."""
+    return dataclasses.replace(eff, hbm_efficiency=o.hbm_efficiency, decode_per_layer_overhead_s=o.per_layer_s,
+                               decode_per_moe_layer_s=o.per_moe_layer_s,
+                               decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s,
+                               decode_per_step_s=o.per_step_s)
+
+
+def field_sources(profile: LatencyProfile, family_source: str, engine_source: str, decode_source: str
+                  ) -> list[dict[str, Any]]:
     """One row per numeric profile field: its kind, value, how it is computed and where it comes from."""
-    sources = {PHYSICS: "config.json x hardware", FAMILY: family_source, ENGINE: engine_source,
-               ASSUMPTION: "calibration.decode with the efficiencies' decode constants"}
+    sources = {PHYSICS: "config.json x hardware", FAMILY: family_source, ENGINE: engine_source, DECODE: decode_source}
     return [{"field": f.name, "kind": FIELD_KINDS[f.name][0], "value": getattr(profile, f.name),
              "how": FIELD_KINDS[f.name][1], "from": sources[FIELD_KINDS[f.name][0]]}
             for f in dataclasses.fields(LatencyProfile) if f.name in FIELD_KINDS]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from calibration.portable import ASSUMPTION, ENGINE, FAMILY, PHYSICS
+from calibration.portable import DECODE, ENGINE, FAMILY, PHYSICS
 from calibration.profile import LatencyProfile
 
 if TYPE_CHECKING:
@@ -70,6 +70,26 @@ def expected_error_lines(summary: Sequence[dict[str, Any]], same_family: bool) -
     return lines
 
 
+def decode_error_lines(decode_source: str) -> list[str]:
+    """The decode fit's leave-one-model-out and leave-one-GPU-out TPOT error (shipped with its fit)."""
+    from calibration.decode_fit import DECODE_COMMAND, load_record
+    from calibration.portable import DECODE_SOURCE
+
+    if decode_source != DECODE_SOURCE:
+        return ["    (given decode constants: the decode fit's error bands below do not describe them)"]
+    rec = load_record()
+    out = []
+    for what, key in (("model", "leave_one_model_out_summary"), ("GPU", "leave_one_gpu_out_summary")):
+        every = next((s for s in rec[key] if s["held_out"] == "all"), None)
+        if every is None:
+            out.append(f"    TPOT with its {what} left out of the fit: not measurable (the data has one {what})")
+            continue
+        out.append(f"    TPOT |error| with its {what} left out of the fit: median {100 * every['median_abs_error']:.0f} %, "
+                   f"max {100 * every['max_abs_error']:.0f} % over {every['points']} published rows "
+                   f"({len(rec['models'])} models, {', '.join(rec['gpus'])}; {DECODE_COMMAND})")
+    return out
+
+
 def bench_commands(profile: LatencyProfile, profile_path: str | None) -> list[str]:
     path = profile_path or "PROFILE.json"
     lines = ["replace the carried-over and assumed terms with a short bench on your deployment (bidirectional ON"
@@ -102,7 +122,7 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
         except Exception as exc:  # noqa: BLE001 - said in the output; the profile itself stands
             failure = f"the held-out simulation failed ({type(exc).__name__}: {exc})"
     rows = prov["fields"]
-    by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, FAMILY, ENGINE, ASSUMPTION)}
+    by_kind = {k: [r for r in rows if r["kind"] == k] for k in (PHYSICS, FAMILY, ENGINE, DECODE)}
 
     def listing(kind: str) -> str:
         return ", ".join(f"{r['field']} {_value(r['field'], r['value'])}" for r in by_kind[kind])
@@ -112,7 +132,8 @@ def trust_report(profile: LatencyProfile, profile_path: str | None = None,
     lines += [f"  exact (config.json x {prov['hardware']}): {listing(PHYSICS)}, and the floors above",
              f"  prefill terms from {prov['carried_from']}: {listing(FAMILY)}",
              f"  engine terms from {prov['engine_terms_from']}: {listing(ENGINE)}",
-             f"  assumed, never fitted on {prov['hardware']}: {listing(ASSUMPTION)}"]
+             f"  decode step from {prov['decode_terms_from']}: {listing(DECODE)}"]
+    lines += decode_error_lines(prov["decode_terms_from"])
     if failure:
         lines.append(f"expected error: not computed, {failure}; "
                      "calibration/README.md 'Leave one model out' has the last table")

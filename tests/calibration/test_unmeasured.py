@@ -16,7 +16,7 @@ from calibration.fit import leave_one_out
 from calibration.heldout import CONFIG, load_heldout
 from calibration.efficiencies import load_efficiencies
 from calibration.loo import DEFAULT_SOURCE, NO_FAMILY, PREVIOUS_DEFAULT, WRONG_FAMILY, report, summary
-from calibration.portable import ASSUMPTION, ENGINE, FAMILY, FIELD_KINDS, PHYSICS
+from calibration.portable import DECODE, ENGINE, FAMILY, FIELD_KINDS, PHYSICS
 from calibration.profile import LatencyProfile
 from calibration.published import load_published
 from sim.published import simulate_heldout_benchmark  # the simulator, passed into calibration.loo
@@ -73,7 +73,8 @@ def test_every_numeric_field_has_a_kind_and_a_source(write_config):
     p = profile_from_architecture(write_config(QWEN3_32B), "p5en", 8)
     rows = {r["field"]: r for r in p.provenance["fields"]}
     assert set(rows) == set(FIELD_KINDS)
-    assert {r["kind"] for r in rows.values()} == {PHYSICS, FAMILY, ENGINE, ASSUMPTION}
+    assert {r["kind"] for r in rows.values()} == {PHYSICS, FAMILY, ENGINE, DECODE}
+    assert rows["decode_fixed_s"]["from"].startswith("published vLLM decode measurements")
     assert all(rows[f]["value"] == getattr(p, f) for f in rows)
     assert rows["prefill_fixed_s"]["from"].startswith("Qwen3-32B") and rows["transfer_setup_s"]["from"].startswith("both")
 
@@ -96,18 +97,18 @@ def test_cross_family_leave_one_out_error_bounds():
 
 def test_same_family_heldout_model_error_bounds(loo_report):
     """Llama-3.3-70B (vLLM PR #32553, never fitted) from Qwen3-32B's fit, through the simulator. TTFT
-    within 36 % at TP4 and 48 % at TP8 (the PR does not state TP; the ON median is the worst at TP4, +35 %
-    with the chat template's tokens counted, +30 % without); TPOT is first principles and too
-    fast at both (-40 % / -64 %): decode on D is not fitted on p5en."""
+    within 36 % at TP4 and 49 % at TP8 (the PR does not state TP; the ON median is the worst at TP4, +33 %); TPOT,
+    from the decode step fitted across other models' published rows (calibration.decode_fit), is too fast at both
+    (-41 % / -58 %): no published row of those models measures a P/D decode instance."""
     measured = {(f.mode, f.metric, f.statistic): f.measured_ms for f in load_heldout()}
     rows = [r for r in loo_report["heldout"] if r["trained_on"] == DEFAULT_SOURCE]
     assert len(rows) == 2 * len(measured)
     for r in rows:
         err = r["predicted_ms"] / measured[(r["mode"], r["metric"], r["statistic"])] - 1
         if r["metric"] == "ttft":
-            assert abs(err) <= {4: 0.36, 8: 0.48}[r["tp"]], r
+            assert abs(err) <= {4: 0.36, 8: 0.49}[r["tp"]], r
         else:
-            assert {4: -0.45, 8: -0.68}[r["tp"]] <= err <= -0.35, r
+            assert {4: -0.45, 8: -0.62}[r["tp"]] <= err <= -0.35, r
 
 
 def test_family_rule_beats_the_other_sources_where_tp_is_likeliest(loo_report):
@@ -157,7 +158,8 @@ def test_trust_report_names_every_kind_and_the_band_that_applies(write_config):
     assert "its family was measured" in same and "TP4: median 10 %, max 20 %" in same
     assert "prefill/TTFT |error| up to 443 %, transfer up to 76 %" in same
     for kind in ("exact (config.json x p5en)", "prefill terms from Qwen3-32B",
-                 "engine terms from both measured models", "assumed, never fitted on p5en"):
+                 "engine terms from both measured models", "decode step from published vLLM decode measurements",
+                 "TPOT |error| with its model left out of the fit"):
         assert kind in same
     other = trust_report(profile_from_architecture(write_config(BF16_MOE_GQA), "p5en", 2), "p.json", summary)
     assert "no measured model shares its family" in other and "--base-profile p.json" in other
