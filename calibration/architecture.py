@@ -77,7 +77,6 @@ class Architecture:
     expert_params: float = 0.0  # one routed expert's weights summed over MoE layers (decode)
     experts_per_token: int = 0  # routed experts a token activates per MoE layer
     moe_experts: int = 0  # routed experts per MoE layer
-    moe_layers: int = 0  # layers whose MLP is routed experts
     sliding_layers: int = 0  # layers that attend only the last sliding_window_tokens (gpt-oss: every other one)
     sliding_window_tokens: int = 0
 
@@ -223,7 +222,6 @@ def architecture_from_config(config: Mapping[str, Any], kv_cache_dtype: str = "a
         expert_params=float(mlp["expert_params"]),
         experts_per_token=mlp["experts_per_token"],
         moe_experts=mlp["experts"],
-        moe_layers=mlp["moe_layers"],
         **_sliding(f, layers),
     )
 
@@ -337,7 +335,7 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> dict[str, Any]:
         inter = f.int("intermediate_size", "dense MLP width")
         dense = mats * hidden * inter
         return {"active": layers * dense, "total": layers * dense, "expert_params": 0, "experts_per_token": 0,
-                "experts": 0, "moe_layers": 0}
+                "experts": 0}
     experts = f.int(names[0], "routed experts")
     top_k = f.int("num_experts_per_tok", "routed experts per token")
     moe_inter = (f.int("intermediate_size", "expert MLP width") if names[0] == "num_local_experts"
@@ -363,5 +361,4 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> dict[str, Any]:
         "expert_params": n_moe * expert,
         "experts_per_token": top_k,
         "experts": experts,
-        "moe_layers": n_moe,
     }

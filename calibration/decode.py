@@ -4,7 +4,7 @@ and the efficiencies' decode overheads.
     t = decode_fixed_s + decode_per_seq_s x B + decode_per_ctx_token_s x sum(context)
 
     decode_fixed_s         = W_1 / t / (HBM B/s x hbm_efficiency) + layers x decode_per_layer_overhead_s
-                             + MoE layers x decode_per_moe_layer_s                             + all-reduces x decode_per_allreduce_s + decode_per_step_s
+                             + all-reduces x decode_per_allreduce_s
     decode_per_seq_s       = dE x expert bytes / t / (HBM B/s x hbm_efficiency) + one sequence's all-reduce bytes
                              over NVLink + decode_per_seq_overhead_s
     decode_per_ctx_token_s = KV bytes/token on one rank / (HBM B/s x hbm_efficiency)
@@ -46,8 +46,7 @@ def coefficients(arch: Architecture, hw: Hardware, tp: int, eff: HardwareEfficie
                          f"{tp} x {hw.hbm_bytes_per_gpu / 1e9:.0f} GB x {eff.gpu_memory_utilization}")
     return {
         "decode_fixed_s": (one.weight_bytes / hbm + arch.num_layers * eff.decode_per_layer_overhead_s
-                           + arch.moe_layers * eff.decode_per_moe_layer_s
-                           + one.allreduces * eff.decode_per_allreduce_s + eff.decode_per_step_s),
+                           + one.allreduces * eff.decode_per_allreduce_s),
         "decode_per_seq_s": extra_experts * expert_bytes / tp / hbm + one.allreduce_s + eff.decode_per_seq_overhead_s,
         "decode_per_ctx_token_s": arch.kv_bytes_per_token_per_rank(tp) / hbm,
         "decode_hbm_kv_bytes": kv_budget,

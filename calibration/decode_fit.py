@@ -8,10 +8,11 @@ with the reason it is out (``python -m calibration.decode_fit --excluded``).
 
 Model (calibration.decode_step): each row's mean TPOT = one decode step at B = the requests in flight (capped by
 the requests sent) and c = input + output / 2 tokens of context, plus, in an aggregated closed- or open-loop run,
-the (B - 1) prefills of replacing requests chunked into its steps, spread over its output tokens. Seven parameters
-(``hbm_efficiency``, per layer, per MoE layer, per all-reduce, per sequence, per step, ``mixed_prefill_mfu``) minimise the
-log ratio predicted / measured over all rows, squared up to 15 % and linear beyond (soft L1: a few published runs
-are outliers no step model explains), bounded (scipy.optimize.least_squares).
+the (B - 1) prefills of replacing requests chunked into its steps, spread over its output tokens. Five parameters
+(``hbm_efficiency``, per layer, per all-reduce, per sequence, ``mixed_prefill_mfu``) minimise the
+log ratio predicted / measured, each model's rows weighted 1 / its row count (every model counts once), squared
+up to 15 % and linear beyond (soft L1: a few published runs are outliers no step model explains), bounded
+(scipy.optimize.least_squares).
 
 How far it carries: leave one model out (fit on every other model's rows, predict this model's) and leave one
 GPU out, per row and as median / max |error| (``python -m calibration.decode_fit``). ``bidikv profile`` uses the
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence
@@ -56,17 +58,18 @@ MODEL_CONFIGS = {
     "gpt-oss-20b": "config_gpt-oss-20b.json",
     "gpt-oss-120b": "config_gpt-oss-120b.json",
     "deepseek-r1": "config_deepseek-r1.json",
+    "llama-3.1-8b": "config_llama-3.1-8b.json",
+    "qwen2.5-72b": "config_qwen2.5-72b.json",
 }
 
-# The disaggregated and all-at-once rows run no prefill inside their decode steps (all prompts prefilled first,
-# or on another instance); closed- and open-loop aggregated runs do.
+# A P/D decode instance runs no prefill between its steps, nor does an all-at-once run once its prompts are in
+# (they are prefilled first); closed- and open-loop aggregated runs do.
 MIXED_PREFILL_KINDS = ("max_concurrency", "request_rate")
 
-PARAMS = ("hbm_efficiency", "per_layer_s", "per_moe_layer_s", "per_allreduce_s", "per_seq_s", "per_step_s",
-          "mixed_prefill_mfu")
-LOWER = (0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.02)
-UPPER = (1.0, 1e-3, 1e-3, 1e-3, 1e-3, 0.05, 1.0)
-START = (0.7, 30e-6, 30e-6, 10e-6, 20e-6, 1e-3, 0.3)
+PARAMS = ("hbm_efficiency", "per_layer_s", "per_allreduce_s", "per_seq_s", "mixed_prefill_mfu")
+LOWER = (0.2, 0.0, 0.0, 0.0, 0.02)
+UPPER = (1.0, 1e-3, 1e-3, 1e-3, 1.0)
+START = (0.7, 30e-6, 10e-6, 20e-6, 0.3)
 # Published runs include outliers no step model explains (an InferenceX gpt-oss run at concurrency 32 twice as slow as
 # at 64): a robust loss (soft L1 beyond a 15 % log error) keeps one such row from moving every parameter.
 ROBUST_SCALE = 0.15
@@ -133,7 +136,8 @@ def exclusion(figure: DecodeFigure) -> str | None:
 # engine describe an engine nobody deploys it with. Lambda's vllm-benchmark runs (2024) name no version in their
 # result files; their repository served v0.5.4-v0.6.0.
 V1_FIRST = (0, 8)
-V0_SOURCES = {"github.com/LambdaLabsML/vllm-benchmark": "2024 runs (the repository served vLLM v0.5.4-v0.6.0)"}
+V0_SOURCES = {"github.com/LambdaLabsML/vllm-benchmark": "2024 runs (the repository served vLLM v0.5.4-v0.6.0)",
+              "github.com/triton-inference-server/triton_distributed": "an early-2025 example (before V1 was the default)"}
 
 
 def _v0_engine(figure: DecodeFigure) -> str | None:
@@ -165,7 +169,7 @@ def resolve(figure: DecodeFigure) -> DecodeRow:
     return DecodeRow(figure=figure, model_key=config.removeprefix("config_").removesuffix(".json"),
                      arch=_arch(config, kv), hw=load_hardware(GPU_PRESETS[figure.gpu]), tp=figure.num_gpus_tp,
                      batch=batch, context_tokens=figure.input_tokens + figure.output_tokens / 2,
-                     mixed_prefill=figure.concurrency_kind in MIXED_PREFILL_KINDS)
+                     mixed_prefill=figure.serving == "aggregated" and figure.concurrency_kind in MIXED_PREFILL_KINDS)
 
 
 def split_rows(figures: Iterable[DecodeFigure]) -> tuple[list[DecodeRow], list[tuple[DecodeFigure, str]]]:
@@ -202,11 +206,15 @@ def fit(rows: Sequence[DecodeRow]) -> DecodeOverheads:
     if not rows:
         raise ValueError("decode fit: no rows to fit")
     measured = np.array([r.measured_s for r in rows])
+    per_model = Counter(r.model_key for r in rows)
+    # every model counts once, however many rows its page published: the terms must carry across models, and one
+    # model's 29-row sweep would otherwise set them for all
+    weight = np.sqrt(np.array([1.0 / per_model[r.model_key] for r in rows]))
     scale = np.array(START)  # fit in units of the start point: the parameters span six decades
 
     def residuals(z: np.ndarray) -> np.ndarray:
         o = overheads_from(z * scale)
-        return np.log(np.array([predict_s(r, o) for r in rows]) / measured)
+        return weight * np.log(np.array([predict_s(r, o) for r in rows]) / measured)
 
     sol = least_squares(residuals, np.ones(len(PARAMS)), bounds=(np.array(LOWER) / scale, np.array(UPPER) / scale),
                         method="trf", x_scale="jac", loss="soft_l1", f_scale=ROBUST_SCALE)
@@ -253,8 +261,11 @@ def summarise(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for g, v in groups.items()]
     every = [e["rel_error"] for e in errors]
     if every:
+        # two medians: over every held-out row (a model with a long sweep weighs more) and over the held-out groups'
+        # own medians (every model, or GPU, once)
         rows.append({"held_out": "all", "points": len(every), "median_abs_error": statistics.median(abs(x) for x in every),
-                     "max_abs_error": max(abs(x) for x in every), "min_error": min(every), "max_error": max(every)})
+                     "max_abs_error": max(abs(x) for x in every), "min_error": min(every), "max_error": max(every),
+                     "median_of_group_medians": statistics.median(r["median_abs_error"] for r in rows)})
     return rows
 
 
@@ -307,9 +318,12 @@ def format_summary_markdown(summary: Sequence[dict[str, Any]], what: str) -> str
     lines = [f"| {what} held out | rows | \\|error\\| median | \\|error\\| max | signed range |",
              "|---|---:|---:|---:|---|"]
     for s in summary:
-        name = f"**{s['held_out']}**" if s["held_out"] == "all" else s["held_out"]
+        name = f"**{s['held_out']}** (every row)" if s["held_out"] == "all" else s["held_out"]
         lines.append(f"| {name} | {s['points']} | {100 * s['median_abs_error']:.1f} % | {100 * s['max_abs_error']:.1f} % "
                      f"| {_pct(s['min_error'])} to {_pct(s['max_error'])} |")
+        if s["held_out"] == "all":
+            lines.append(f"| **median of the {what}s' medians** | {len(summary) - 1} {what}s | "
+                         f"{100 * s['median_of_group_medians']:.1f} % | | |")
     return "\n".join(lines)
 
 
@@ -317,9 +331,8 @@ def format_text(rep: dict[str, Any], excluded: bool = False) -> str:
     o = rep["overheads"]
     lines = [f"decode step fitted on {rep['rows']} published rows (data/decode_published.csv):",
              f"  hbm_efficiency {o['hbm_efficiency']:.3f}, per layer {1e6 * o['per_layer_s']:.1f} us, "
-             f"per MoE layer {1e6 * o['per_moe_layer_s']:.1f} us more, "
              f"per all-reduce {1e6 * o['per_allreduce_s']:.1f} us, per sequence {1e6 * o['per_seq_s']:.1f} us, "
-             f"per step {1e3 * o['per_step_s']:.3f} ms, mixed prefill {100 * o['mixed_prefill_mfu']:.1f} % of peak",
+             f"mixed prefill {100 * o['mixed_prefill_mfu']:.1f} % of peak",
              "", "residuals of the all-rows fit:"]
     lines += [f"  {r['row']:58} measured {r['measured_ms']:7.2f} ms  fitted {r['predicted_ms']:7.2f} ms  "
               f"{_pct(r['rel_error']):>9}" for r in rep["residuals"]]
@@ -329,6 +342,8 @@ def format_text(rep: dict[str, Any], excluded: bool = False) -> str:
                   f"{_pct(r['rel_error']):>9}" for r in rep[key]]
         lines += [f"  {s['held_out']:22} {s['points']:3d} rows  |error| median {100 * s['median_abs_error']:5.1f} %, "
                   f"max {100 * s['max_abs_error']:5.1f} % ({_pct(s['min_error'])} to {_pct(s['max_error'])})"
+                  + (f"; median of the groups' medians {100 * s['median_of_group_medians']:.1f} %"
+                     if s["held_out"] == "all" else "")
                   for s in rep[key + "_summary"]]
     if excluded:
         lines += ["", "not in the fit:"] + [f"  {e['row']:50} {e['reason']}" for e in rep["excluded"]]

@@ -24,13 +24,14 @@ PRECISIONS = ("BF16", "FP16", "FP8", "FP4")
 GPUS = ("A100 SXM", "H100 SXM", "H100 NVL", "H20", "H200", "B200", "GB200", "B300", "MI300X", "MI325X", "MI355X",
         "Gaudi3", "Trainium2")
 STATISTICS = ("mean", "median")
+SERVING = ("aggregated", "pd_decode")
 CONCURRENCY_KINDS = ("max_concurrency", "all_at_once", "request_rate", "clients", "batch")
 
 COLUMNS = ("model", "hf_id", "params_b", "active_params_b", "architecture", "precision", "kv_cache_dtype", "gpu",
-           "num_gpus_tp", "pp", "ep", "dp", "engine", "engine_version", "spec_decode", "batch_or_concurrency",
+           "num_gpus_tp", "pp", "ep", "dp", "engine", "engine_version", "spec_decode", "serving", "batch_or_concurrency",
            "concurrency_kind", "num_requests", "input_tokens", "output_tokens", "statistic", "tpot_ms", "itl_ms",
            "output_tok_s_per_user", "output_tok_s_total", "ttft_ms", "heldout", "source_url", "quote", "notes")
-_REQUIRED_TEXT = ("model", "architecture", "precision", "gpu", "engine", "statistic", "source_url", "quote")
+_REQUIRED_TEXT = ("model", "architecture", "precision", "gpu", "engine", "serving", "statistic", "source_url", "quote")
 _INTS = ("num_gpus_tp", "pp", "ep", "dp", "batch_or_concurrency", "num_requests")
 _FLOATS = ("params_b", "active_params_b", "input_tokens", "output_tokens", "tpot_ms", "itl_ms",
            "output_tok_s_per_user", "output_tok_s_total", "ttft_ms")
@@ -56,6 +57,7 @@ class DecodeFigure:
     engine: str
     engine_version: str
     spec_decode: str
+    serving: str  # "aggregated" | "pd_decode" (the decode instance of a prefill/decode-disaggregated deployment)
     batch_or_concurrency: int | None
     concurrency_kind: str
     num_requests: int | None
@@ -112,7 +114,8 @@ def _figure(where: str, row: dict[str, str | None]) -> DecodeFigure:
     for field in _REQUIRED_TEXT:
         if not values[field]:
             raise ValueError(f"{where}: field {field!r} is empty")
-    checks = (("architecture", ARCHITECTURES), ("precision", PRECISIONS), ("gpu", GPUS), ("statistic", STATISTICS))
+    checks = (("architecture", ARCHITECTURES), ("precision", PRECISIONS), ("gpu", GPUS), ("statistic", STATISTICS),
+              ("serving", SERVING))
     for field, allowed in checks:
         if values[field] not in allowed:
             raise ValueError(f"{where}: field {field!r} must be one of {allowed}, got {values[field]!r}")

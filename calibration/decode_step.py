@@ -2,9 +2,7 @@
 
     t_step(B, c) = max(bytes / (HBM B/s x hbm_efficiency), FLOPs / peak FLOP/s)   physics, per rank
                  + all-reduce bytes / NVLink B/s per direction                        physics, TP > 1
-                 + layers x per_layer_s + MoE layers x per_moe_layer_s                engine, fitted
-                 + all-reduces x per_allreduce_s
-                 + B x per_seq_s + per_step_s                                          engine, fitted
+                 + layers x per_layer_s + all-reduces x per_allreduce_s + B x per_seq_s   engine, fitted
 
     bytes   = W(B) / t + B x c x KV bytes/token on one rank
     W(B)    = non-expert matmul weights + E_B experts' weights (MoE) + the LM head (BF16)
@@ -15,11 +13,13 @@
               a ring moves 2 (t - 1) / t of it each way
 
 B sequences in the batch, c tokens of context each (mean over the decode), t TP ranks. What vLLM spends beyond
-the physics is the engine's: a cost per layer (kernel launches and the small kernels between the GEMMs), more per
-MoE layer (routing, top-k, permuting tokens to experts and back: several kernels a dense MLP does not run), per
-all-reduce (NCCL's latency, which no bandwidth term captures), per sequence (sampling, detokenising, the
-scheduler's bookkeeping) and per step. Those five and ``hbm_efficiency`` are fitted once across models and
-GPUs (calibration.decode_fit), not per model: that is what lets the step carry to a model nobody measured.
+the physics is the engine's: a cost per layer (kernel launches and the small kernels between the GEMMs), per
+all-reduce (its latency, which no bandwidth term captures) and per sequence (sampling, detokenising, the
+scheduler's bookkeeping). Those three and ``hbm_efficiency`` are fitted once across models and GPUs
+(calibration.decode_fit), not per model: that is what lets the step carry to a model nobody measured. Terms the
+collected data cannot tell apart from these are left out, chosen by leave-one-model-out error
+(calibration/README.md, "Decode across models"): a fixed cost per step, a further cost per MoE layer, a cost per
+expert touched.
 
 TPOT of a request in an aggregated (not P/D) closed-loop benchmark also pays for the prefills of the requests
 that replace finished ones, chunked into its decode steps: (B - 1) prefills of the input length over the
@@ -49,10 +49,8 @@ class DecodeOverheads:
 
     hbm_efficiency: float  # fraction of HBM bandwidth a decode step reaches
     per_layer_s: float  # s per layer per step
-    per_moe_layer_s: float  # s more per MoE layer per step (router, top-k, token permutation, grouped GEMMs)
     per_allreduce_s: float  # s per TP all-reduce (2 per layer when TP > 1)
     per_seq_s: float  # s per sequence per step
-    per_step_s: float  # s per step
     mixed_prefill_mfu: float  # fraction of peak FLOP/s of the prefills chunked into an aggregated run's steps
 
 
@@ -66,7 +64,6 @@ class DecodePhysics:
     allreduces: int
     allreduce_s: float  # bandwidth part of the all-reduces (their latency is the engine's per_allreduce_s)
     layers: int
-    moe_layers: int
 
     def memory_s(self, hw: Hardware, hbm_efficiency: float) -> float:
         return (self.weight_bytes + self.kv_bytes) / (hw.hbm_bytes_per_s_per_gpu * hbm_efficiency)
@@ -98,14 +95,13 @@ def step_physics(arch: Architecture, hw: Hardware, tp: int, precision: str, batc
     ring_bytes = 2.0 * (tp - 1) / tp * batch * arch.hidden_size * DTYPE_BYTES["bf16"]
     per_direction = hw.nvlink_bytes_per_s_per_gpu / 2  # the presets give NVLink both directions together
     return DecodePhysics(weight_bytes=weights / tp, kv_bytes=kv, flops=flops, allreduces=allreduces,
-                         allreduce_s=allreduces * ring_bytes / per_direction, layers=arch.num_layers,
-                         moe_layers=arch.moe_layers)
+                         allreduce_s=allreduces * ring_bytes / per_direction, layers=arch.num_layers)
 
 
 def step_s(phys: DecodePhysics, hw: Hardware, precision: str, batch: float, o: DecodeOverheads) -> float:
     compute = phys.flops / hw.peak_flops_per_s(PEAK_DTYPE[precision], 1)
     return (max(phys.memory_s(hw, o.hbm_efficiency), compute) + phys.allreduce_s
-            + phys.layers * o.per_layer_s + phys.moe_layers * o.per_moe_layer_s + phys.allreduces * o.per_allreduce_s + batch * o.per_seq_s + o.per_step_s)
+            + phys.layers * o.per_layer_s + phys.allreduces * o.per_allreduce_s + batch * o.per_seq_s)
 
 
 def prefill_compute_s(arch: Architecture, hw: Hardware, tp: int, precision: str, tokens: float, mfu: float) -> float:

@@ -13,10 +13,8 @@ field belongs to one latency model:
 * TTFT (calibration.ttft): ``ttft_overhead_fixed_s`` [s], ``ttft_overhead_per_prompt_token_s`` [s per
   prompt token], ``ttft_overhead_per_reused_byte_s`` [s per reused KV byte, calibrated];
 * decode (calibration.decode, calibration.decode_step): ``hbm_efficiency`` [fraction of HBM bandwidth],
-  ``decode_per_layer_overhead_s`` [s per layer per step], ``decode_per_moe_layer_s`` [s more per MoE layer],
-  ``decode_per_allreduce_s`` [s per TP all-reduce, two
-  per layer when TP > 1], ``decode_per_seq_overhead_s`` [s per sequence per step], ``decode_per_step_s`` [s per
-  step]: fitted across published vLLM decode measurements of other models and GPUs (calibration.decode_fit,
+  ``decode_per_layer_overhead_s`` [s per layer per step], ``decode_per_allreduce_s`` [s per TP
+  all-reduce, two per layer when TP > 1], ``decode_per_seq_overhead_s`` [s per sequence per step]: fitted across published vLLM decode measurements of other models and GPUs (calibration.decode_fit,
   ``data/decode_overheads.json``) where calibration.portable builds the efficiencies, else these defaults
   (assumptions, kept for the shipped fits of the measured models); ``decode_reference_batch`` [sequences],
   ``gpu_memory_utilization`` [fraction of HBM vLLM may use].
@@ -54,8 +52,6 @@ class HardwareEfficiencies:
     decode_per_layer_overhead_s: float = 30e-6
     decode_per_seq_overhead_s: float = 50e-6
     decode_per_allreduce_s: float = 0.0
-    decode_per_moe_layer_s: float = 0.0
-    decode_per_step_s: float = 0.0
     decode_reference_batch: int = 32
     gpu_memory_utilization: float = 0.9
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -15,7 +15,7 @@ sets it and so where it can come from for a model nobody measured:
                  per descriptor, per reused token, per request on the TTFT path; exact descriptor and byte
                  counts times one set of values fitted on both measured models at once;
 * ``decode``     the decode step: exact bytes, FLOPs and all-reduce counts (calibration.decode_step) times engine
-                 overheads (HBM efficiency; per layer, all-reduce, sequence and step) fitted once across published
+                 overheads (HBM efficiency; per layer, all-reduce and sequence) fitted once across published
                  vLLM decode measurements of other models and GPUs (calibration.decode_fit,
                  ``data/decode_overheads.json``): no published p5en figure of the measured models constrains decode.
 
@@ -60,7 +60,7 @@ FIELD_KINDS: dict[str, tuple[str, str]] = {
     "ttft_overhead_fixed_s": (ENGINE, "fitted per request (proxy hops, D's first step)"),
     "ttft_overhead_per_prompt_token_s": (ENGINE, "fitted per prompt token (D re-tokenises the prompt)"),
     "ttft_overhead_per_reused_byte_s": (ENGINE, "fitted per reused KV byte (cause not identified)"),
-    "decode_fixed_s": (DECODE, "weight bytes / (HBM x fitted hbm_efficiency) + fitted costs per layer, all-reduce, step"),
+    "decode_fixed_s": (DECODE, "weight bytes / (HBM x fitted hbm_efficiency) + fitted costs per layer and all-reduce"),
     "decode_per_seq_s": (DECODE, "extra MoE experts read + all-reduce bytes per sequence + a fitted cost per sequence"),
     "decode_per_ctx_token_s": (DECODE, "KV bytes per token per rank / (HBM x fitted hbm_efficiency)"),
 }
@@ -132,9 +132,7 @@ DECODE_SOURCE = "published vLLM decode measurements of other models and GPUs (ca
 def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads) -> HardwareEfficiencies:
     """``eff`` with its decode terms replaced by the cross-model decode fit's."""
     return dataclasses.replace(eff, hbm_efficiency=o.hbm_efficiency, decode_per_layer_overhead_s=o.per_layer_s,
-                               decode_per_moe_layer_s=o.per_moe_layer_s,
-                               decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s,
-                               decode_per_step_s=o.per_step_s)
+                               decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s)
 
 
 def field_sources(profile: LatencyProfile, family_source: str, engine_source: str, decode_source: str

@@ -51,10 +51,15 @@ def test_leave_one_model_out_predicts_no_row_it_was_fitted_on():
     assert every["points"] == len(lomo)
 
 
-@pytest.mark.xfail(strict=True, reason="the goal, not met on the collected data: leave-one-model-out TPOT median |error| "
-                   "is 93 % (gpt-oss-120b's 26 rows predicted from 6 rows of three other models, none dense at TP > 1 "
-                   "on the V1 engine); calibration/README.md 'Decode across models'")
-def test_leave_one_model_out_tpot_median_error_within_15_percent():
+def test_leave_one_model_out_tpot_median_over_models_within_15_percent():
+    every = next(s for s in REPORT["leave_one_model_out_summary"] if s["held_out"] == "all")
+    assert every["median_of_group_medians"] <= 0.15, every
+
+
+@pytest.mark.xfail(strict=True, reason="not met on the collected data: over every held-out row the median is 36 %, "
+                   "set by gpt-oss-120b's 29-row sweep (62 % when it is the model left out) and DeepSeek-R1 (52 %); "
+                   "calibration/README.md 'Decode across models'")
+def test_leave_one_model_out_tpot_median_over_rows_within_15_percent():
     every = next(s for s in REPORT["leave_one_model_out_summary"] if s["held_out"] == "all")
     assert every["median_abs_error"] <= 0.15, every
 
@@ -103,11 +108,22 @@ def test_fp4_quantizes_experts_only():
 
 def test_step_adds_each_overhead_once():
     arch = _arch("qwen3-8b")
-    zero = DecodeOverheads(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5)
+    zero = DecodeOverheads(hbm_efficiency=1.0, per_layer_s=0.0, per_allreduce_s=0.0, per_seq_s=0.0, mixed_prefill_mfu=0.5)
     base = step_s(step_physics(arch, H100, 2, "BF16", 4, 100), H100, "BF16", 4, zero)
-    more = dataclasses.replace(zero, per_layer_s=1e-6, per_allreduce_s=2e-6, per_seq_s=3e-6, per_step_s=4e-6)
+    more = dataclasses.replace(zero, per_layer_s=1e-6, per_allreduce_s=2e-6, per_seq_s=3e-6)
     got = step_s(step_physics(arch, H100, 2, "BF16", 4, 100), H100, "BF16", 4, more)
-    assert got - base == pytest.approx(36 * 1e-6 + 72 * 2e-6 + 4 * 3e-6 + 4e-6)
+    assert got - base == pytest.approx(36 * 1e-6 + 72 * 2e-6 + 4 * 3e-6)
+
+
+def test_every_model_counts_once_in_the_fit():
+    """Duplicating one model's rows barely moves the fit: each model's rows are weighted 1 / their count (exactly
+    invariant within the loss's quadratic part; soft L1 applies after the weight, so outliers shift it ~1 %);"""
+    rows = decode_fit.fitted_rows()
+    many = max({r.model_key for r in rows}, key=lambda m: sum(r.model_key == m for r in rows))
+    doubled = rows + [r for r in rows if r.model_key == many]
+    a, b = decode_fit.fit(rows), decode_fit.fit(doubled)
+    for r in rows:
+        assert decode_fit.predict_s(r, b) == pytest.approx(decode_fit.predict_s(r, a), rel=0.02), r.label()
 
 
 def test_rows_out_of_the_fit_say_why():
