@@ -7,7 +7,7 @@ config.json here (:data:`MODEL_CONFIGS`); the held-out row (vLLM PR #32553) neve
 with the reason it is out (``python -m calibration.decode_fit --excluded``).
 
 Model (calibration.decode_step): each row's mean TPOT = one decode step at B = the requests in flight (capped by
-the requests sent) and c = input + output / 2 tokens of context, plus, in an aggregated closed- or open-loop run,
+the requests sent and by the sequences of input + output tokens the KV pool holds) and c = input + output / 2 tokens of context, plus, in an aggregated closed- or open-loop run,
 the (B - 1) prefills of replacing requests chunked into its steps, spread over its output tokens. Five parameters
 (``hbm_efficiency``, per layer, per all-reduce, per sequence, ``mixed_prefill_mfu``) minimise the
 log ratio predicted / measured, each model's rows weighted 1 / its row count (every model counts once), squared
@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.decode_published import DecodeFigure, load_decode_published
-from calibration.decode_step import (WEIGHT_BYTES, DecodeOverheads, prefill_compute_s, step_physics, step_s)
+from calibration.decode_step import (WEIGHT_BYTES, DecodeOverheads, kv_capacity_sequences, prefill_compute_s, step_physics,
+                                     step_s)
 from calibration.hardware import DATA_DIR, Hardware, load_hardware
 
 OVERHEADS_JSON = DATA_DIR / "decode_overheads.json"
@@ -60,6 +61,8 @@ MODEL_CONFIGS = {
     "deepseek-r1": "config_deepseek-r1.json",
     "llama-3.1-8b": "config_llama-3.1-8b.json",
     "qwen2.5-72b": "config_qwen2.5-72b.json",
+    "minimax-m2": "config_minimax-m2.json",
+    "kimi-k2": "config_kimi-k2.json",
 }
 
 # A P/D decode instance runs no prefill between its steps, nor does an all-at-once run once its prompts are in
@@ -166,8 +169,11 @@ def resolve(figure: DecodeFigure) -> DecodeRow:
     batch = float(figure.batch_or_concurrency)
     if figure.num_requests:
         batch = min(batch, float(figure.num_requests))
+    arch, hw = _arch(config, kv), load_hardware(GPU_PRESETS[figure.gpu])
+    fits = kv_capacity_sequences(arch, hw, figure.num_gpus_tp, figure.precision, figure.input_tokens + figure.output_tokens)
+    batch = max(1.0, min(batch, float(int(fits))))  # more requests than the KV pool holds queue; they do not decode
     return DecodeRow(figure=figure, model_key=config.removeprefix("config_").removesuffix(".json"),
-                     arch=_arch(config, kv), hw=load_hardware(GPU_PRESETS[figure.gpu]), tp=figure.num_gpus_tp,
+                     arch=arch, hw=hw, tp=figure.num_gpus_tp,
                      batch=batch, context_tokens=figure.input_tokens + figure.output_tokens / 2,
                      mixed_prefill=figure.serving == "aggregated" and figure.concurrency_kind in MIXED_PREFILL_KINDS)
 

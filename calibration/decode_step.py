@@ -86,10 +86,7 @@ def step_physics(arch: Architecture, hw: Hardware, tp: int, precision: str, batc
     expert_bytes = (WEIGHT_BYTES if arch.moe_experts else NON_EXPERT_BYTES)[precision]
     weights = (non_expert * NON_EXPERT_BYTES[precision] + experts_read * arch.expert_params * expert_bytes
                + arch.lm_head_params * DTYPE_BYTES["bf16"])
-    per_layer = arch.kv_bytes_per_token_per_rank(tp) / arch.num_layers
-    full = arch.num_layers - arch.sliding_layers
-    kv = batch * per_layer * (full * context_tokens
-                              + arch.sliding_layers * min(context_tokens, arch.sliding_window_tokens))
+    kv = batch * sequence_kv_bytes(arch, tp, context_tokens)
     flops = 2.0 * (arch.matmul_params_per_token + arch.lm_head_params) * batch / tp
     allreduces = 2 * arch.num_layers if tp > 1 else 0
     ring_bytes = 2.0 * (tp - 1) / tp * batch * arch.hidden_size * DTYPE_BYTES["bf16"]
@@ -102,6 +99,32 @@ def step_s(phys: DecodePhysics, hw: Hardware, precision: str, batch: float, o: D
     compute = phys.flops / hw.peak_flops_per_s(PEAK_DTYPE[precision], 1)
     return (max(phys.memory_s(hw, o.hbm_efficiency), compute) + phys.allreduce_s
             + phys.layers * o.per_layer_s + phys.allreduces * o.per_allreduce_s + batch * o.per_seq_s)
+
+
+def weight_bytes_stored(arch: Architecture, precision: str) -> float:
+    """Every weight as a checkpoint of ``precision`` stores it (experts at the row's precision under FP4; embeddings
+    and LM head in BF16)."""
+    vocab = arch.vocab_params_stored
+    experts = arch.moe_experts * arch.expert_params
+    other = arch.total_params - vocab - experts
+    expert_bytes = (WEIGHT_BYTES if arch.moe_experts else NON_EXPERT_BYTES)[precision]
+    return other * NON_EXPERT_BYTES[precision] + experts * expert_bytes + vocab * DTYPE_BYTES["bf16"]
+
+
+def sequence_kv_bytes(arch: Architecture, tp: int, tokens: float) -> float:
+    """KV bytes of one sequence of ``tokens`` on one rank: sliding-window layers hold only their window."""
+    per_layer = arch.kv_bytes_per_token_per_rank(tp) / arch.num_layers
+    full = arch.num_layers - arch.sliding_layers
+    return per_layer * (full * tokens + arch.sliding_layers * min(tokens, arch.sliding_window_tokens))
+
+
+def kv_capacity_sequences(arch: Architecture, hw: Hardware, tp: int, precision: str, tokens: float,
+                          gpu_memory_utilization: float = 0.9) -> float:
+    """Sequences of ``tokens`` whose KV the instance holds in what vLLM's HBM share leaves after the weights
+    (activations not counted). A batch needing more runs only what fits; the rest waits (its wait is TTFT, not
+    TPOT)."""
+    free_per_rank = hw.hbm_bytes_per_gpu * gpu_memory_utilization - weight_bytes_stored(arch, precision) / tp
+    return max(free_per_rank, 0.0) / sequence_kv_bytes(arch, tp, tokens)
 
 
 def prefill_compute_s(arch: Architecture, hw: Hardware, tp: int, precision: str, tokens: float, mfu: float) -> float:
