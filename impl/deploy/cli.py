@@ -57,6 +57,14 @@ def _check(args: argparse.Namespace) -> int:
 
     c = _load(args)
     print(f"{c.source}: OK")
+    hw = c.instance
+    print(f"  instance {hw.name}: {hw.gpus_per_node} x {hw.accelerator}, {hw.hbm_bytes_per_gpu / 1e9:.0f} GB HBM at "
+          f"{hw.hbm_bytes_per_s_per_gpu / 1e12:.1f} TB/s each, EFA {hw.efa_bytes_per_s_per_gpu / 1e9:.0f} GB/s per "
+          f"accelerator (calibration/data/hardware_{hw.key}.json)")
+    if hw.is_neuron:
+        print(f"  WARNING: {hw.accelerator} runs vLLM's Neuron backend: the launch commands below are the CUDA "
+              "recipe's (kv_buffer_device, EFA RDMA env) and vLLM's engine overheads on Neuron are unknown to this "
+              "project; adapt them and measure with the bench before trusting any profile")
     print(f"  model {c.model.name} (served as {c.model.served_name}), TP {c.model.tensor_parallel_size}")
     for s in (c.prefill, c.decode):
         print(f"  {s.role:8} {s.url}  NIXL side channel {s.host}:{s.side_channel_port}"

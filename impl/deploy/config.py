@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from calibration.hardware import PRESETS, Hardware, load_hardware
 from impl.connector.config import ConfigError as ConnectorConfigError
 from impl.connector.config import ConnectorSettings
 from impl.router.config import url_host
@@ -37,6 +38,7 @@ SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "ro
 # EFA settings for NIXL's LIBFABRIC backend (sources in impl/deploy/README.md, "Why these settings"):
 # the efa provider rather than whatever libfabric ranks first, and device RDMA required (p4d/p5/p5en
 # support RDMA read; with it required, a host without it fails at start instead of silently emulating).
+DEFAULT_INSTANCE = PRESETS["p5en"]  # the published setup: two p5en.48xlarge
 DEFAULT_TRANSFER_ENV = (("FI_PROVIDER", "efa"), ("FI_EFA_USE_DEVICE_RDMA", "1"))
 
 # Connector defaults for GPU hosts. The connector's own defaults are tuned for a 2-core CPU machine
@@ -149,6 +151,7 @@ class DeployConfig:
     router: Router
     bench: Bench
     base_profile: str
+    instance: Hardware  # P's and D's instance type (calibration/data/hardware_<preset>.json)
 
     def results_path(self, name: str) -> str:
         base = Path(self.bench.results_dir)
@@ -402,7 +405,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
 
     deploy = _Table(source, "deploy", data["deploy"])
     workdir, python = deploy.text("workdir"), deploy.text("python")
+    instance_type = deploy.text("instance_type", DEFAULT_INSTANCE)
     deploy.done()
+    try:
+        instance = load_hardware(instance_type)
+    except ValueError:
+        raise DeployConfigError(source, "deploy.instance_type", f"unknown instance type {instance_type!r}: one of "
+                                f"{', '.join(PRESETS.values())}") from None
 
     m = _Table(source, "model", data["model"])
     name = m.text("name")
@@ -410,6 +419,10 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
                   tensor_parallel_size=m.integer("tensor_parallel_size", 1, minimum=1),
                   max_model_len=m.integer("max_model_len", 0, minimum=0),
                   prefix_caching_on_prefill=m.boolean("prefix_caching_on_prefill", False))
+    if model.tensor_parallel_size > instance.gpus_per_node:
+        raise DeployConfigError(source, "model.tensor_parallel_size",
+                                f"{model.tensor_parallel_size} exceeds the {instance.gpus_per_node} "
+                                f"{instance.accelerator or 'accelerators'} of one {instance.name}")
     m.done()
 
     prefill = _server(source, "prefill", data["prefill"], {"http_port": 8100, "side_channel_port": 5600})
@@ -430,7 +443,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
 
     config = DeployConfig(source=source, workdir=workdir, python=python, model=model, prefill=prefill,
                           decode=decode, transfer=transfer, connector=connector, connector_settings=settings,
-                          router=router, bench=bench, base_profile=base_profile)
+                          router=router, bench=bench, base_profile=base_profile, instance=instance)
     _check_addresses(source, config)
     return config
 

@@ -34,6 +34,10 @@ def _same_host(config):
 
 
 BAD = [
+    (_set("deploy.instance_type", "p4d.24xlarge"), "deploy.instance_type", "unknown instance type"),
+    (_set("model.tensor_parallel_size", 16), "model.tensor_parallel_size", "exceeds the 8 H200 of one p5en.48xlarge"),
+    (lambda c: (c["deploy"].update(instance_type="p5.48xlarge"), c["model"].update(tensor_parallel_size=9)),
+     "model.tensor_parallel_size", "exceeds the 8 H100 SXM of one p5.48xlarge"),
     (_drop("prefill.host"), "prefill.host", "required"),
     (_drop("deploy"), "deploy", "required"),
     (_set("decode.http_port", 70000), "decode.http_port", "65535"),
