@@ -162,3 +162,17 @@ def test_shipped_record_is_valid_json_with_every_parameter():
     o = decode_fit.load_overheads()
     for name, lo, hi in zip(decode_fit.PARAMS, decode_fit.LOWER, decode_fit.UPPER):
         assert lo <= getattr(o, name) <= hi
+
+
+def test_published_ttft_rows_are_predicted_above_their_flop_floor():
+    """calibration.prefill_published: the concurrency-1 TTFT rows (two BF16 dense GQA models on H100) each get a
+    prediction, never below the prompt's linear-layer FLOPs at the GPU's BF16 peak."""
+    from calibration.prefill_published import rows as ttft_rows
+
+    points = ttft_rows()
+    assert {p["model"] for p in points} >= {"Qwen3-8B", "Qwen2.5-72B-Instruct"}
+    for p in points:
+        arch = _arch("qwen3-8b" if p["model"] == "Qwen3-8B" else "qwen2.5-72b")
+        floor_ms = 1e3 * 2 * arch.matmul_params_per_token * p["input_tokens"] / (p["tp"] * 989e12)
+        assert p["predicted_ms"] > floor_ms, p
+        assert p["prefill_from"].startswith("Qwen3-32B"), p
