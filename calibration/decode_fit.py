@@ -35,6 +35,7 @@ from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.decode_published import DecodeFigure, load_decode_published
 from calibration.decode_step import (WEIGHT_BYTES, DecodeOverheads, kv_capacity_sequences, prefill_compute_s, step_physics,
                                      step_s)
+from calibration.efficiencies import HardwareEfficiencies
 from calibration.hardware import DATA_DIR, Hardware, load_hardware
 
 OVERHEADS_JSON = DATA_DIR / "decode_overheads.json"
@@ -297,10 +298,22 @@ def load_record() -> dict[str, Any]:
     return json.loads(OVERHEADS_JSON.read_text())
 
 
+@lru_cache(maxsize=1)
 def load_overheads() -> DecodeOverheads:
     """The shipped all-rows fit (``data/decode_overheads.json``)."""
     data = load_record()
     return overheads_from([data[p] for p in PARAMS])
+
+
+DECODE_SOURCE = "published vLLM decode measurements of other models and GPUs (calibration.decode_fit)"
+
+
+def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads | None = None) -> HardwareEfficiencies:
+    """``eff`` with its decode terms replaced by the cross-model decode fit's (the shipped one by default): every
+    efficiency calibration.fit builds carries them, so the shipped profiles and ``bidikv profile`` decode alike."""
+    o = o or load_overheads()
+    return dataclasses.replace(eff, hbm_efficiency=o.hbm_efficiency, decode_per_layer_overhead_s=o.per_layer_s,
+                               decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s)
 
 
 def report(path: str | None = None) -> dict[str, Any]:

@@ -46,6 +46,7 @@ import numpy as np
 
 from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.compose import build_profile
+from calibration.decode_fit import with_decode_overheads
 from calibration.closed_form import OVERLAPPED_ASSEMBLY, SERIAL_ASSEMBLY, SHIPPED_ASSEMBLY, Assembly, turn_metrics
 from calibration.efficiencies import HardwareEfficiencies, efficiencies_path
 from calibration.floors import floor_rows
@@ -86,8 +87,10 @@ _SCALE = np.array([t.scale for t in FIT_TERMS])
 
 def efficiencies_from_vector(x: Sequence[float], hardware: str, provenance: dict[str, Any] | None = None
                              ) -> HardwareEfficiencies:
+    """The fitted terms, and the decode step's overheads from the cross-model decode fit (calibration.decode_fit):
+    no published figure this fit sees constrains decode."""
     v = dict(zip(TERM_NAMES, (float(a) for a in x)))
-    return HardwareEfficiencies(
+    return with_decode_overheads(HardwareEfficiencies(
         hardware=hardware,
         prefill_fixed_per_layer_s=v["prefill_fixed_per_layer_s"],
         gemm_mfu=1.0 / v["gemm_cost_factor"], attention_mfu=1.0 / v["attention_cost_factor"],
@@ -97,7 +100,7 @@ def efficiencies_from_vector(x: Sequence[float], hardware: str, provenance: dict
         ttft_overhead_fixed_s=v["ttft_overhead_fixed_s"],
         ttft_overhead_per_prompt_token_s=v["ttft_overhead_per_prompt_token_s"],
         ttft_overhead_per_reused_byte_s=v["ttft_overhead_per_reused_byte_s"],
-        provenance=provenance or {})
+        provenance=provenance or {}))
 
 
 def vector_from_efficiencies(eff: HardwareEfficiencies) -> np.ndarray:

@@ -33,8 +33,7 @@ from typing import Any
 
 from calibration.architecture import Architecture
 from calibration.closed_form import SHIPPED_ASSEMBLY
-from calibration.decode_fit import load_overheads
-from calibration.decode_step import DecodeOverheads
+from calibration.decode_fit import DECODE_SOURCE
 from calibration.efficiencies import HardwareEfficiencies
 from calibration.fit import TERM_NAMES, efficiencies_from_vector, target
 from calibration.profile import LatencyProfile
@@ -121,18 +120,9 @@ def efficiencies_for(prefill_model: str | None, family: str = "this family") -> 
         text = f"the two-model compromise (no measured model is {family})"
     eff = efficiencies_from_vector(x, MEASURED[0].hardware, {
         "source": f"calibration.shared_fit: prefill terms of {text}, engine terms of {ENGINE_SOURCE}; "
-                  f"decode overheads of {DECODE_SOURCE}",
+                  f"decode overheads of {DECODE_SOURCE}",  # efficiencies_from_vector sets them
         "assembly": SHIPPED_ASSEMBLY.describe()})
-    return with_decode_overheads(eff, load_overheads()), text
-
-
-DECODE_SOURCE = "published vLLM decode measurements of other models and GPUs (calibration.decode_fit)"
-
-
-def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads) -> HardwareEfficiencies:
-    """``eff`` with its decode terms replaced by the cross-model decode fit's."""
-    return dataclasses.replace(eff, hbm_efficiency=o.hbm_efficiency, decode_per_layer_overhead_s=o.per_layer_s,
-                               decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s)
+    return eff, text
 
 
 def field_sources(profile: LatencyProfile, family_source: str, engine_source: str, decode_source: str
