@@ -82,17 +82,25 @@ def hardware_caveats(hw: Hardware, *, carried: bool) -> list[str]:
     were carried over from p5en, and on a Neuron accelerator vLLM's engine overheads are not known."""
     lines = []
     if carried:
-        lines.append(f"the engine overheads and efficiencies were fitted on {MEASURED_ON} (H200) measurements and "
+        lines.append(f"the prefill, transfer and TTFT terms were fitted on {MEASURED_ON} (H200) measurements and "
                      f"carried over to {hw.key} ({hw.name}, {hw.accelerator or 'its accelerator'}) unfitted: only "
                      f"the physics (HBM, FLOP/s, EFA and intra-node link rates of the {hw.key} preset) follows "
-                     f"this hardware, and the expected-error bands below were measured on {MEASURED_ON}, not here")
+                     f"this hardware, and the prefill/TTFT error bands below were measured on {MEASURED_ON}, not "
+                     f"here (the decode step's overheads were fitted across {', '.join(decode_fit_gpus())} rows)")
     if hw.is_neuron:
-        borrowed = (": the transfer, TTFT and decode step costs below are CUDA-on-H200 values borrowed as "
-                    "placeholders, not estimates for Neuron" if carried else "")
+        borrowed = (": the transfer and TTFT costs below are CUDA-on-H200 values and the decode step's overheads "
+                    "CUDA-GPU values, borrowed as placeholders, not estimates for Neuron" if carried else "")
         lines.append(f"vLLM's engine overheads on Neuron ({hw.accelerator}) are unknown to this project{borrowed}; "
                      f"--tp counts {hw.accelerator} chips (1..{hw.gpus_per_node}); measure with the bench commands "
                      "below before trusting any engine term")
     return lines
+
+
+def decode_fit_gpus() -> list[str]:
+    """The GPUs the shipped decode fit saw (calibration.decode_fit)."""
+    from calibration.decode_fit import load_record
+
+    return list(load_record()["gpus"])
 
 
 def _default_efficiencies(arch: Architecture, hw: Hardware) -> tuple[HardwareEfficiencies, str, str, bool]:
