@@ -45,8 +45,8 @@ def profile_from_architecture(config_path: str | pathlib.Path, hardware: str | H
         same_family = False
         caveats = hardware_caveats(hw, carried=False)  # given terms are not borrowed, but Neuron is still unknown
     model = name or arch.name
-    decode_source = (DECODE_SOURCE if DECODE_SOURCE in eff.provenance.get("source", "")
-                     else f"the decode constants of {engine_source}")
+    # every efficiency calibration.fit builds carries the cross-model decode fit; given ones carry their own
+    decode_source = DECODE_SOURCE if efficiencies is None else f"the decode constants of {engine_source}"
     profile_name = f"{model}@{hw.key}-tp{tp}"
     profile = build_profile(arch, hw, tp, eff, name=profile_name, model=model, block_size=block_size)
     fitted_under = eff.provenance.get("assembly")  # the efficiencies only mean something under their assembly

@@ -18,8 +18,8 @@ expectation is not). The step is memory-bound at the batches a P/D decode instan
 FLOP roofline calibration.decode_step applies in the fit is not in the linear form.
 
 The overheads are the efficiencies' (calibration.efficiencies): fitted across published measurements by
-calibration.decode_fit where calibration.portable builds the efficiencies (``bidikv profile``), stated
-assumptions in the shipped fits of the two measured models.
+calibration.decode_fit, and carried by every efficiency calibration.fit builds (the shipped profiles and
+``bidikv profile`` alike).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ config.json here (:data:`MODEL_CONFIGS`); the held-out row (vLLM PR #32553) neve
 with the reason it is out (``python -m calibration.decode_fit --excluded``).
 
 Model (calibration.decode_step): each row's mean TPOT = one decode step at B = the requests in flight (capped by
-the requests sent and by the sequences of input + output tokens the KV pool holds) and c = input + output / 2 tokens of context, plus, in an aggregated closed- or open-loop run,
-the (B - 1) prefills of replacing requests chunked into its steps, spread over its output tokens. Five parameters
+the requests sent and by the sequences of input + output tokens the KV pool holds) and c = input + output / 2
+tokens of context, plus, in an aggregated closed- or open-loop run, the (B - 1) prefills of replacing requests
+chunked into its steps, spread over its output tokens. Five parameters
 (``hbm_efficiency``, per layer, per all-reduce, per sequence, ``mixed_prefill_mfu``) minimise the
 log ratio predicted / measured, each model's rows weighted 1 / its row count (every model counts once), squared
 up to 15 % and linear beyond (soft L1: a few published runs are outliers no step model explains), bounded
@@ -33,10 +34,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.decode_published import DecodeFigure, load_decode_published
-from calibration.decode_step import (WEIGHT_BYTES, DecodeOverheads, kv_capacity_sequences, prefill_compute_s, step_physics,
-                                     step_s)
+from calibration.decode_step import (WEIGHT_BYTES, DecodeOverheads, DecodePhysics, kv_capacity_sequences,
+                                     prefill_compute_s, step_physics, step_s)
 from calibration.efficiencies import HardwareEfficiencies
 from calibration.hardware import DATA_DIR, Hardware, load_hardware
+from calibration.error_bands import error_band
 
 OVERHEADS_JSON = DATA_DIR / "decode_overheads.json"
 
@@ -99,6 +101,7 @@ class DecodeRow:
     batch: float
     context_tokens: float
     mixed_prefill: bool
+    physics: DecodePhysics  # what one step moves and computes: fixed by the row, whatever the overheads
 
     @property
     def measured_s(self) -> float:
@@ -173,10 +176,11 @@ def resolve(figure: DecodeFigure) -> DecodeRow:
     arch, hw = _arch(config, kv), load_hardware(GPU_PRESETS[figure.gpu])
     fits = kv_capacity_sequences(arch, hw, figure.num_gpus_tp, figure.precision, figure.input_tokens + figure.output_tokens)
     batch = max(1.0, min(batch, float(int(fits))))  # more requests than the KV pool holds queue; they do not decode
+    context = figure.input_tokens + figure.output_tokens / 2
     return DecodeRow(figure=figure, model_key=config.removeprefix("config_").removesuffix(".json"),
-                     arch=arch, hw=hw, tp=figure.num_gpus_tp,
-                     batch=batch, context_tokens=figure.input_tokens + figure.output_tokens / 2,
-                     mixed_prefill=figure.serving == "aggregated" and figure.concurrency_kind in MIXED_PREFILL_KINDS)
+                     arch=arch, hw=hw, tp=figure.num_gpus_tp, batch=batch, context_tokens=context,
+                     mixed_prefill=figure.serving == "aggregated" and figure.concurrency_kind in MIXED_PREFILL_KINDS,
+                     physics=step_physics(arch, hw, figure.num_gpus_tp, figure.precision, batch, context))
 
 
 def split_rows(figures: Iterable[DecodeFigure]) -> tuple[list[DecodeRow], list[tuple[DecodeFigure, str]]]:
@@ -192,8 +196,7 @@ def split_rows(figures: Iterable[DecodeFigure]) -> tuple[list[DecodeRow], list[t
 
 def predict_s(row: DecodeRow, o: DecodeOverheads) -> float:
     precision = row.figure.precision
-    phys = step_physics(row.arch, row.hw, row.tp, precision, row.batch, row.context_tokens)
-    t = step_s(phys, row.hw, precision, row.batch, o)
+    t = step_s(row.physics, row.hw, precision, row.batch, o)
     if row.mixed_prefill and row.batch > 1:
         f = row.figure
         prefill = prefill_compute_s(row.arch, row.hw, row.tp, precision, f.input_tokens, o.mixed_prefill_mfu)
@@ -263,15 +266,11 @@ def summarise(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[str, list[float]] = {}
     for e in errors:
         groups.setdefault(e["held_out"], []).append(e["rel_error"])
-    rows = [{"held_out": g, "points": len(v), "median_abs_error": statistics.median(abs(x) for x in v),
-             "max_abs_error": max(abs(x) for x in v), "min_error": min(v), "max_error": max(v)}
-            for g, v in groups.items()]
-    every = [e["rel_error"] for e in errors]
-    if every:
+    rows = [{"held_out": g, **error_band(v)} for g, v in groups.items()]
+    if errors:
         # two medians: over every held-out row (a model with a long sweep weighs more) and over the held-out groups'
         # own medians (every model, or GPU, once)
-        rows.append({"held_out": "all", "points": len(every), "median_abs_error": statistics.median(abs(x) for x in every),
-                     "max_abs_error": max(abs(x) for x in every), "min_error": min(every), "max_error": max(every),
+        rows.append({"held_out": "all", **error_band([e["rel_error"] for e in errors]),
                      "median_of_group_medians": statistics.median(r["median_abs_error"] for r in rows)})
     return rows
 
@@ -316,9 +315,8 @@ def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads | None =
                                decode_per_allreduce_s=o.per_allreduce_s, decode_per_seq_overhead_s=o.per_seq_s)
 
 
-def report(path: str | None = None) -> dict[str, Any]:
-    figures = load_decode_published(path) if path else load_decode_published()
-    rows, excluded = split_rows(figures)
+def report() -> dict[str, Any]:
+    rows, excluded = split_rows(load_decode_published())
     every = fit(rows)
     lomo = leave_one_out(rows, by_model)
     logo = leave_one_out(rows, by_gpu)

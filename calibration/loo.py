@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
+
+from calibration.error_bands import error_band
 
 if TYPE_CHECKING:
     from calibration.heldout import SimulatedBenchmark
@@ -62,9 +63,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         key = (r["trained_on"], r["model"], GROUPS[r["metric"]])
         groups.setdefault(key, []).append(r["rel_error"])
-    return [{"trained_on": t, "model": m, "group": g, "points": len(e),
-             "median_abs_error": statistics.median(abs(x) for x in e), "max_abs_error": max(abs(x) for x in e),
-             "min_error": min(e), "max_error": max(e)} for (t, m, g), e in groups.items()]
+    return [{"trained_on": t, "model": m, "group": g, **error_band(e)} for (t, m, g), e in groups.items()]
 
 
 def report(simulate_benchmark: SimulatedBenchmark, with_alternatives: bool = True, seed: int = 0) -> dict[str, Any]:

@@ -15,15 +15,15 @@ input with nothing cached, from the profile ``bidikv profile --model-config ... 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 from typing import Any, Sequence
 
-from calibration.architecture import DTYPE_BYTES, architecture_from_config_file
+from calibration.architecture import DTYPE_BYTES, Architecture, architecture_from_config_file
 from calibration.build import profile_from_architecture
 from calibration.decode_fit import GPU_PRESETS, config_for, exclusion
 from calibration.decode_published import DecodeFigure, load_decode_published
 from calibration.hardware import DATA_DIR, load_hardware
+from calibration.error_bands import error_band
 from calibration.portable import carried_efficiencies, kernel_family
 
 PRECISION_DTYPE = {"BF16": "bf16", "FP16": "bf16", "FP8": "fp8"}
@@ -38,10 +38,14 @@ def usable(f: DecodeFigure) -> str | None:
         return "no TTFT"
     if f.batch_or_concurrency != 1:
         return "more than one request in flight (TTFT includes waiting)"
-    arch = architecture_from_config_file(DATA_DIR / config_for(f.model))  # type: ignore[arg-type]
+    arch = _arch(f)
     if PRECISION_DTYPE.get(f.precision) != arch.weight_dtype or arch.weight_dtype not in DTYPE_BYTES:
         return f"{f.precision} checkpoint, the config's matmuls run {arch.weight_dtype}"
     return None
+
+
+def _arch(f: DecodeFigure) -> Architecture:
+    return architecture_from_config_file(DATA_DIR / config_for(f.model))  # type: ignore[operator]
 
 
 def rows(figures: Sequence[DecodeFigure] | None = None) -> list[dict[str, Any]]:
@@ -49,19 +53,19 @@ def rows(figures: Sequence[DecodeFigure] | None = None) -> list[dict[str, Any]]:
     for f in figures if figures is not None else load_decode_published():
         if usable(f) is not None:
             continue
-        config = DATA_DIR / config_for(f.model)  # type: ignore[operator]
         hw = load_hardware(GPU_PRESETS[f.gpu])
-        arch = architecture_from_config_file(config)
+        arch = _arch(f)
+        tp = f.num_gpus_tp or 1
         eff, carried_from, _ = carried_efficiencies(arch)
         # the row ran, so its weights fit: above vLLM's default gpu_memory_utilization if need be (Qwen2.5-72B in BF16
         # on two 80 GB H100s); only the decode KV budget depends on it, and TTFT does not
-        room = max(eff.gpu_memory_utilization, min(1.0, 1.01 * arch.weight_bytes() / (f.num_gpus_tp * hw.hbm_bytes_per_gpu)))
-        eff = dataclasses.replace(eff, gpu_memory_utilization=room)
-        profile = profile_from_architecture(config, hw, f.num_gpus_tp or 1, eff)
+        needed = min(1.0, 1.01 * arch.weight_bytes() / (tp * hw.hbm_bytes_per_gpu))
+        eff = dataclasses.replace(eff, gpu_memory_utilization=max(eff.gpu_memory_utilization, needed))
+        profile = profile_from_architecture(DATA_DIR / config_for(f.model), hw, tp, eff)  # type: ignore[operator]
         n = int(round(f.input_tokens or 0))
         predicted = 1e3 * profile.prefill_step_s(((n, 0),))
         out.append({"model": f.model, "gpu": f.gpu, "tp": f.num_gpus_tp, "input_tokens": n,
-                    "family": kernel_family(architecture_from_config_file(config)).describe(),
+                    "family": kernel_family(arch).describe(),
                     "prefill_from": carried_from, "measured_ms": f.ttft_ms,
                     "predicted_ms": predicted, "rel_error": predicted / f.ttft_ms - 1, "source_url": f.source_url})
     return out
@@ -71,9 +75,7 @@ def summary(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[float]] = {}
     for p in points:
         groups.setdefault((f"{p['model']} ({p['gpu']} TP{p['tp']})", p["family"]), []).append(p["rel_error"])
-    return [{"model": m, "family": fam, "points": len(e), "median_abs_error": statistics.median(abs(x) for x in e),
-             "max_abs_error": max(abs(x) for x in e), "min_error": min(e), "max_error": max(e)}
-            for (m, fam), e in groups.items()]
+    return [{"model": m, "family": fam, **error_band(e)} for (m, fam), e in groups.items()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

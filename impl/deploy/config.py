@@ -35,10 +35,11 @@ WORKLOADS = ("synthetic", "agentic", "mooncake")
 KV_BUFFER_DEVICES = ("cuda", "cpu")
 SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "router", "bench", "calibrate")
 
+DEFAULT_INSTANCE = PRESETS["p5en"]  # P's and D's instance type: the published setup, two p5en.48xlarge
+
 # EFA settings for NIXL's LIBFABRIC backend (sources in impl/deploy/README.md, "Why these settings"):
 # the efa provider rather than whatever libfabric ranks first, and device RDMA required (p4d/p5/p5en
 # support RDMA read; with it required, a host without it fails at start instead of silently emulating).
-DEFAULT_INSTANCE = PRESETS["p5en"]  # the published setup: two p5en.48xlarge
 DEFAULT_TRANSFER_ENV = (("FI_PROVIDER", "efa"), ("FI_EFA_USE_DEVICE_RDMA", "1"))
 
 # Connector defaults for GPU hosts. The connector's own defaults are tuned for a 2-core CPU machine
