@@ -304,7 +304,7 @@ def load_overheads() -> DecodeOverheads:
     return overheads_from([data[p] for p in PARAMS])
 
 
-DECODE_SOURCE = "published vLLM decode measurements of other models and GPUs (calibration.decode_fit)"
+DECODE_SOURCE = "published vLLM decode measurements across models and GPUs (calibration.decode_fit)"
 
 
 def with_decode_overheads(eff: HardwareEfficiencies, o: DecodeOverheads | None = None) -> HardwareEfficiencies:

@@ -15,7 +15,7 @@ field belongs to one latency model:
 * decode (calibration.decode, calibration.decode_step): ``hbm_efficiency`` [fraction of HBM bandwidth],
   ``decode_per_layer_overhead_s`` [s per layer per step], ``decode_per_allreduce_s`` [s per TP
   all-reduce, two per layer when TP > 1], ``decode_per_seq_overhead_s`` [s per sequence per step]: fitted across
-  published vLLM decode measurements of other models and GPUs (calibration.decode_fit,
+  published vLLM decode measurements across models and GPUs (calibration.decode_fit,
   ``data/decode_overheads.json``) and set on every efficiency calibration.fit builds; the defaults below only fill
   an efficiencies file written without them; ``decode_reference_batch`` [sequences],
   ``gpu_memory_utilization`` [fraction of HBM vLLM may use].

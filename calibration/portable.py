@@ -16,7 +16,7 @@ sets it and so where it can come from for a model nobody measured:
                  counts times one set of values fitted on both measured models at once;
 * ``decode``     the decode step: exact bytes, FLOPs and all-reduce counts (calibration.decode_step) times engine
                  overheads (HBM efficiency; per layer, all-reduce and sequence) fitted once across published
-                 vLLM decode measurements of other models and GPUs (calibration.decode_fit,
+                 vLLM decode measurements across models and GPUs (calibration.decode_fit,
                  ``data/decode_overheads.json``): no published p5en figure of the measured models constrains decode.
 
 The split is the data's (calibration.shared_fit): one shared set of engine terms costs the twenty

@@ -61,7 +61,7 @@ def expected_error_lines(summary: Sequence[dict[str, Any]], same_family: bool) -
              f"  same kernel family, a model no fit saw (Llama-3.3-70B on p5en from Qwen3-32B's fit, vLLM PR #32553 "
              f"means; its TP is not published):",
              f"    TTFT |error| {band(ttft)}",
-             f"    TPOT |error| {band(tpot)}  (decode fitted on other models' published rows, never on this run)",
+             f"    TPOT |error| {band(tpot)}  (decode fitted on published decode rows, never on this run)",
              "  across kernel families (Qwen3-32B <-> GLM-5-FP8, published single-request figures): prefill/TTFT "
              f"|error| up to {100 * max(s['max_abs_error'] for s in cross_pf):.0f} %, transfer up to "
              f"{100 * max(s['max_abs_error'] for s in cross_tr):.0f} %"]

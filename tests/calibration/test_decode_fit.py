@@ -57,16 +57,17 @@ def _every(key: str) -> dict:
 
 def test_leave_one_out_error_bounds():
     """What the shipped data gives (calibration/README.md 'Decode across models'): a model no fit saw within 18 %
-    (median of the models' medians; 21 % over every row), a GPU no fit saw within 22 % over every row. Guards the
+    (median of the models' medians; 23 % over every row), a GPU no fit saw within 19 % over every row. Guards the
     fit against regressions; the 15 % goal is the test below."""
     model, gpu = _every("leave_one_model_out_summary"), _every("leave_one_gpu_out_summary")
-    assert model["median_of_group_medians"] <= 0.18 and model["median_abs_error"] <= 0.21, model
-    assert gpu["median_abs_error"] <= 0.22, gpu
+    assert model["median_of_group_medians"] <= 0.18 and model["median_abs_error"] <= 0.23, model
+    assert gpu["median_abs_error"] <= 0.19, gpu
 
 
 @pytest.mark.xfail(strict=True, reason="the goal, not met on the collected data: leave-one-model-out TPOT median "
-                   "17.1 % over the models' medians, 20.4 % over every row; gpt-oss-120b (48 %) and DeepSeek-R1 (54 %) "
-                   "are the models the others do not predict (calibration/README.md 'Decode across models')")
+                   "17.2 % over the models' medians, 22.2 % over every row; gpt-oss-120b (54 %) and DeepSeek-R1 (50 %) "
+                   "are the models the others do not predict, and Dynamo's Llama-3.1-70B P/D decode workers are predicted "
+                   "up to 62 % too fast (calibration/README.md 'Decode across models')")
 def test_leave_one_model_out_tpot_median_within_15_percent():
     every = _every("leave_one_model_out_summary")
     assert every["median_of_group_medians"] <= 0.15 and every["median_abs_error"] <= 0.15, every

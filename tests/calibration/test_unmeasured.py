@@ -97,9 +97,9 @@ def test_cross_family_leave_one_out_error_bounds():
 
 def test_same_family_heldout_model_error_bounds(loo_report):
     """Llama-3.3-70B (vLLM PR #32553, never fitted) from Qwen3-32B's fit, through the simulator. TTFT
-    within 36 % at TP4 and 50 % at TP8 (the PR does not state TP; the ON median is the worst at TP4, +35 %), the OFF
-    and ON means within 15 % at TP4; TPOT, from the decode step fitted across other models' published rows
-    (calibration.decode_fit), too fast at both: -21 % at TP4, -40 % at TP8."""
+    within 36 % at TP4 and 50 % at TP8 (the PR does not state TP; the ON median is the worst at TP4, +32 %), the OFF
+    and ON means within 15 % at TP4; TPOT, from the decode step fitted across published rows (calibration.decode_fit;
+    Llama-3.1-70B's among them, never this run), too fast at both: -18 % at TP4, -36 % at TP8."""
     measured = {(f.mode, f.metric, f.statistic): f.measured_ms for f in load_heldout()}
     rows = [r for r in loo_report["heldout"] if r["trained_on"] == DEFAULT_SOURCE]
     assert len(rows) == 2 * len(measured)

@@ -39,8 +39,8 @@ def test_eighteen_of_the_twenty_published_figures_are_within_3_percent_through_t
         assert r["rel_error"] == pytest.approx(r["simulated_ms"] / r["measured_ms"] - 1)
     outside = {(r["model"], r["prompt_tokens"], r["mode"], r["metric"]): r["rel_error"]
                for r in recs if abs(r["rel_error"]) > 0.03}
-    # the two the README names: Qwen3-32B at 2k, ON TTFT about +14.3 % and OFF prefill about -3.2 %
+    # the two the README names: Qwen3-32B at 2k, ON TTFT about +11.4 % and OFF prefill about -3.2 %
     assert set(outside) == {("Qwen3-32B", 2048, "on", "ttft"), ("Qwen3-32B", 2048, "off", "prefill")}
-    assert outside[("Qwen3-32B", 2048, "on", "ttft")] == pytest.approx(0.143, abs=0.005)
+    assert outside[("Qwen3-32B", 2048, "on", "ttft")] == pytest.approx(0.114, abs=0.005)
     assert outside[("Qwen3-32B", 2048, "off", "prefill")] == pytest.approx(-0.032, abs=0.005)
     assert all(abs(r["rel_error"]) <= 0.03 for r in recs if r["model"] == "GLM-5-FP8")
