@@ -12,10 +12,11 @@ import pathlib
 
 from calibration.architecture import Architecture, architecture_from_config_file
 from calibration.compose import build_profile
+from calibration.decode_fit import DECODE_SOURCE, load_record
 from calibration.efficiencies import HardwareEfficiencies, efficiencies_path, load_efficiencies
 from calibration.floors import floor_rows
 from calibration.hardware import MEASURED_ON, Hardware, load_hardware
-from calibration.portable import DECODE_SOURCE, ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
+from calibration.portable import ENGINE_SOURCE, carried_efficiencies, field_sources, kernel_family
 from calibration.published import MEASURED
 from calibration.profile import LatencyProfile
 
@@ -98,8 +99,6 @@ def hardware_caveats(hw: Hardware, *, carried: bool) -> list[str]:
 
 def decode_fit_gpus() -> list[str]:
     """The GPUs the shipped decode fit saw (calibration.decode_fit)."""
-    from calibration.decode_fit import load_record
-
     return list(load_record()["gpus"])
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from calibration.portable import DECODE, DECODE_SOURCE, ENGINE, FAMILY, PHYSICS
+from calibration.decode_fit import DECODE_COMMAND, DECODE_SOURCE, load_record
+from calibration.portable import DECODE, ENGINE, FAMILY, PHYSICS
 from calibration.profile import LatencyProfile
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def expected_error_lines(summary: Sequence[dict[str, Any]], same_family: bool) -
 
 def decode_error_lines(decode_source: str) -> list[str]:
     """The decode fit's leave-one-model-out and leave-one-GPU-out TPOT error (shipped with its fit)."""
-    from calibration.decode_fit import DECODE_COMMAND, load_record
-
     if decode_source != DECODE_SOURCE:
         return ["    (given decode constants: the decode fit's error bands below do not describe them)"]
     rec = load_record()
