@@ -325,7 +325,7 @@ class Deployment:
 def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None = None,
                      health_timeout_s: float = 420.0) -> Deployment:
     spec = spec or DeploymentSpec()
-    p_port, d_port, ref_port, r_port, p_side, d_side = free_ports(6)
+    p_port, d_port, ref_port, p_side, d_side = free_ports(5)
     common = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": spec.threshold}
     p_extra = {**common, **spec.prefill_extra}
     d_extra = {**common, "decoder_kv_blocks_ttl": spec.decoder_ttl_s, **spec.decode_extra}
@@ -338,16 +338,17 @@ def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None
     if spec.reference:
         reference = Process("reference", ref_port, vllm_cmd(model_dir, ref_port, None, spec.max_model_len), server_env(None, spec.env),
                             log_dir / "reference.log")
-    router = router_process(prefill.url, decode.url, spec, log_dir, port=r_port) if spec.router else None
-    if router is not None:
-        router.cpus = spec.router_cpus
-    deployment = Deployment(prefill, decode, reference, router, spec, log_dir)
+    deployment = Deployment(prefill, decode, reference, None, spec, log_dir)
     try:
         servers = [p for p in (prefill, decode, reference) if p is not None]
         for p in servers:
             p.start()
         wait_healthy(servers, health_timeout_s)
-        if router is not None:
+        if spec.router:
+            # the router's port is picked only now: one picked before the servers' minutes of start-up can be taken
+            # meanwhile by one of their ephemeral sockets, and the router then fails to bind (EADDRINUSE, seen in CI)
+            router = deployment.router = router_process(prefill.url, decode.url, spec, log_dir)
+            router.cpus = spec.router_cpus
             router.start()
             wait_healthy([router], 60.0)
     except BaseException:
