@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.generated_section import shown_command, write_between_markers  # noqa: E402
+from benchmarks.generated_section import ROOT, shown_command, write_between_markers, write_headline  # noqa: E402
 
 SCRIPT = "benchmarks/decode_memory.py"
 
@@ -139,7 +139,37 @@ def main(argv: list[str] | None = None) -> int:
         write_between_markers(Path(args.write_docs), markdown(shown_command(command, args.trace), when, cluster, rows),
                               SCRIPT)
         print(f"wrote the table into {args.write_docs}")
+        text = headline(f"{args.num_prefill}P{args.num_decode}D, {args.profile}", rows)
+        if text is not None:
+            pages = write_headline("decode-memory", text)
+            print(f"wrote the headline into {', '.join(str(p.relative_to(ROOT)) for p in pages)}")
     return 0
+
+
+def _ms(value: float) -> str:
+    return f"{value / 1e3:,.0f} s" if value >= 1e4 else f"{value:,.0f} ms"
+
+
+def headline(cluster: str, rows) -> str | None:
+    """The sentence the README and the results index quote: vLLM's pinned D at its default TTL, the longest
+    pinned TTL that never makes a turn wait, and give_back at the default TTL (None without those rows)."""
+    by = {label: (m, share) for label, m, share, _ in rows}
+    if "pinned ttl=480s" not in by or "give_back ttl=480s" not in by:
+        return None
+    default, gb = by["pinned ttl=480s"], by["give_back ttl=480s"]
+    pinned = sorted((float(label[len("pinned ttl="):-1]), m, share) for label, (m, share) in by.items()
+                    if label.startswith("pinned ttl="))
+    calm = [(ttl, share) for ttl, m, share in pinned if not m["d_wait_total_s"] and not m["preemptions"]]
+    waits = default[0]["d_wait_total_s"] > 0 or default[0]["preemptions"] > 0
+    text = (f"On the Mooncake conversation trace ({cluster}), vLLM's pinned retention at its default "
+            f"480 s TTL {'makes new work wait at D' if waits else 'never makes new work wait'}: TTFT p50 "
+            f"{_ms(default[0]['ttft_p50_ms'])}, {default[0]['preemptions']:,} preemptions")
+    if calm:
+        text += (f"; the longest pinned TTL that never waits ({calm[-1][0]:g} s) keeps {calm[-1][1]:.1f} % of a "
+                 f"clairvoyant oracle's compute saving")
+    return (text + f". bidikv's `give_back` at the same TTL: TTFT p50 / p90 {_ms(gb[0]['ttft_p50_ms'])} / "
+            f"{_ms(gb[0]['ttft_p90_ms'])}, {'no waits' if not gb[0]['d_wait_total_s'] else 'turns waiting'}, "
+            f"{gb[1]:.1f} % of the oracle's saving.")
 
 
 def markdown(command: str, when: str, cluster: str, rows) -> str:

@@ -2,11 +2,30 @@
 
 A page keeps its prose by hand and its tables between two marker lines naming the script that writes them,
 so re-running the benchmark with ``--write-docs PAGE`` refreshes the figures and nothing else.
+
+A figure quoted on more than one page (the README's headline results, the results index) is a *headline*:
+one sentence between ``<!-- headline NAME: begin -->`` and ``<!-- headline NAME: end -->`` on one line, the
+same text on every page that quotes it. :data:`HEADLINES` names the script that writes each; its
+``--write-docs`` rewrites every copy (:func:`write_headline`), and tests/test_docs.py fails when two copies
+differ or a headline has no writer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# headline name -> the script whose --write-docs writes it
+HEADLINES = {
+    "decode-memory": "benchmarks/decode_memory.py",
+    "learnt-retention": "benchmarks/learnt_retention.py",
+    # kept by hand on the results page that measures it (the page quotes it too); its copies are checked
+    "published-figures": "docs/results/validation.md",
+    "cpu-validation": "docs/results/validation.md",
+    "router-overhead": "docs/results/router.md",
+    "simulator-speed": "docs/results/simulator-speed.md",
+}
 
 
 def markers(script: str) -> tuple[str, str]:
@@ -29,3 +48,35 @@ def write_between_markers(path: Path, text: str, script: str) -> None:
 def shown_command(command: str, trace: str | None) -> str:
     """The command as a page shows it: the trace by name, not where it sits on this machine."""
     return command.replace(trace, f"path/to/{Path(trace).name}") if trace else command
+
+
+def headline_markers(name: str) -> tuple[str, str]:
+    return (f"<!-- headline {name}: begin -->", f"<!-- headline {name}: end -->")
+
+
+def headline_pages(root: Path = ROOT) -> list[Path]:
+    """The pages a headline may be quoted on: the README and the documentation site."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def write_headline(name: str, text: str, root: Path = ROOT) -> list[Path]:
+    """Write ``text`` (one line) between ``name``'s headline markers on every page that quotes it; returns
+    those pages. A page whose markers are not on one line, in order, is refused (SystemExit)."""
+    if "\n" in text:
+        raise ValueError(f"headline {name}: one line, got {text!r}")
+    begin, end = headline_markers(name)
+    written = []
+    for path in headline_pages(root):
+        page = path.read_text()
+        if begin not in page:
+            continue
+        out, rest = [], page
+        while begin in rest:
+            head, tail = rest.split(begin, 1)
+            if end not in tail or "\n" in tail.split(end, 1)[0]:
+                raise SystemExit(f"{path}: headline {name}: {end!r} must follow {begin!r} on the same line")
+            out.append(f"{head}{begin}{text}{end}")
+            rest = tail.split(end, 1)[1]
+        path.write_text("".join(out) + rest)
+        written.append(path)
+    return written

@@ -34,7 +34,7 @@ GROUPS = {"transfer": "transfer", "prefill": "prefill/TTFT", "ttft": "prefill/TT
 DEFAULT_SOURCE = "bidikv profile default"
 WRONG_FAMILY = "GLM-5-FP8 family"
 NO_FAMILY = "no-family fallback"
-PREVIOUS_DEFAULT = "previous default (one fit to both)"
+ONE_FIT = "one fit to both models (no family rule)"
 
 
 def published_rows() -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def published_rows() -> list[dict[str, Any]]:
 def heldout_sources(with_alternatives: bool = True) -> dict[str, Any]:
     """``bidikv profile``'s default, and to show what its family rule buys: GLM-5-FP8's prefill terms (the
     wrong family, same engine overheads), the fallback of a model of no measured family, and the
-    previous default (every term from one fit to both models, ``data/p5en_efficiencies.json``)."""
+    one fit to both models (every term fitted to Qwen3-32B and GLM-5-FP8 together, ``data/p5en_efficiencies.json``)."""
     from calibration.efficiencies import load_efficiencies
     from calibration.portable import efficiencies_for
 
@@ -54,7 +54,7 @@ def heldout_sources(with_alternatives: bool = True) -> dict[str, Any]:
     if with_alternatives:
         sources[WRONG_FAMILY] = efficiencies_for("GLM-5-FP8")[0]
         sources[NO_FAMILY] = efficiencies_for(None)[0]
-        sources[PREVIOUS_DEFAULT] = load_efficiencies("p5en")
+        sources[ONE_FIT] = load_efficiencies("p5en")
     return sources
 
 

@@ -207,3 +207,96 @@ def test_the_benchmark_rewrites_only_its_section_and_refuses_a_page_without_mark
         with pytest.raises(SystemExit, match="needs one"):
             write_between_markers(bare, "x\n", "benchmarks/x.py")
         assert bare.read_text() == bad  # a refused page is left as it was
+
+
+# --- headlines: a figure quoted on several pages is one text, written by one script ----------------
+
+_HEADLINE = re.compile(r"<!-- headline ([a-z0-9-]+): begin -->(.*?)<!-- headline \1: end -->")
+
+
+def _headlines() -> dict[str, dict[str, str]]:
+    """headline name -> {page: its text there}."""
+    found: dict[str, dict[str, str]] = {}
+    for path in _markdown_files():
+        for name, text in _HEADLINE.findall(path.read_text()):
+            found.setdefault(name, {})[str(path.relative_to(ROOT))] = text
+    return found
+
+
+def test_every_quoted_headline_is_one_text_with_one_writer():
+    from benchmarks.generated_section import HEADLINES
+
+    found = _headlines()
+    assert set(found) == set(HEADLINES), "a headline without a writer, or a writer nothing quotes"
+    for name, copies in found.items():
+        assert len(set(copies.values())) == 1, f"headline {name} differs between {sorted(copies)}"
+        writer = HEADLINES[name]
+        assert (ROOT / writer).exists(), writer
+        if writer.endswith(".md"):  # kept by hand on the page that measures it: that page quotes it too
+            assert writer in copies, f"headline {name}: its page {writer} does not hold it"
+    for path in _markdown_files():  # an unpaired marker would be skipped by the writer
+        text = path.read_text()
+        assert text.count("<!-- headline ") == 2 * len(_HEADLINE.findall(text)), path
+
+
+def test_write_headline_rewrites_every_copy_and_refuses_a_split_marker(tmp_path):
+    from benchmarks.generated_section import headline_markers, write_headline
+
+    begin, end = headline_markers("x")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"* a {begin}old{end} b\n")
+    (tmp_path / "docs" / "i.md").write_text(f"| r | {begin}old{end} | l |\n| s | {begin}old{end} | m |\n")
+    (tmp_path / "docs" / "other.md").write_text("untouched\n")
+    pages = write_headline("x", "new, 1.5 %", tmp_path)
+    assert sorted(p.name for p in pages) == ["README.md", "i.md"]
+    assert (tmp_path / "README.md").read_text() == f"* a {begin}new, 1.5 %{end} b\n"
+    assert (tmp_path / "docs" / "i.md").read_text() == f"| r | {begin}new, 1.5 %{end} | l |\n| s | {begin}new, 1.5 %{end} | m |\n"
+    (tmp_path / "README.md").write_text(f"{begin}old\n{end}\n")
+    with pytest.raises(SystemExit, match="same line"):
+        write_headline("x", "new", tmp_path)
+    with pytest.raises(ValueError, match="one line"):
+        write_headline("x", "two\nlines", tmp_path)
+
+
+def _generated(page: str, script: str) -> str:
+    from benchmarks.generated_section import markers
+
+    begin, end = markers(script)
+    return (ROOT / page).read_text().split(begin, 1)[1].split(end, 1)[0]
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", "").split()[0])
+
+
+def test_the_decode_memory_headline_is_what_the_benchmark_writes_from_its_table():
+    """The quoted sentence is decode_memory.headline() of the rows in the page's generated table."""
+    from benchmarks import decode_memory
+
+    rows = []
+    for line in _generated("docs/results/decode-memory.md", "benchmarks/decode_memory.py").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 7 or not cells[1][:1].isdigit():
+            continue
+        p50, p90 = (_number(x) for x in cells[1].split("/"))
+        figures = {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "d_wait_total_s": _number(cells[3]),
+                   "preemptions": int(_number(cells[4]))}
+        rows.append((cells[0], figures, _number(cells[6]), _number(cells[5])))
+    assert len(rows) >= 4
+    cluster = re.search(r"; (\d+P\d+D, [^,]+), ", _generated("docs/results/decode-memory.md",
+                                                            "benchmarks/decode_memory.py")).group(1)
+    assert _headlines()["decode-memory"]["README.md"] == decode_memory.headline(cluster, rows)
+
+
+def test_the_learnt_retention_headline_is_what_the_benchmark_writes_from_its_table():
+    from benchmarks import learnt_retention
+
+    summary_rows = []
+    for line in _generated("docs/results/learnt-retention.md", "benchmarks/learnt_retention.py").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0].endswith(("1P1D", "4P4D")) and cells[2][:1].isdigit():
+            summary_rows.append((cells[0], (_number(cells[2]), cells[1]), {"share": _number(cells[3])}))
+    assert any(name.startswith("mooncake") for name, _, _ in summary_rows)
+    budget = float(re.search(r"budget (\d+(?:\.\d+)?) %", _generated("docs/results/learnt-retention.md",
+                                                                    "benchmarks/learnt_retention.py")).group(1))
+    assert _headlines()["learnt-retention"]["README.md"] == learnt_retention.headline(budget, summary_rows)

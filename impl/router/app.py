@@ -5,12 +5,9 @@ CPU per turn, <= 1 ms added p99 TTFT at c=1, no collapse at 500 concurrent clien
 served by aiohttp (C parser; vLLM's example proxy on FastAPI + httpx spends 2.9-3.2 ms per request,
 and at c=500 httpcore's pool scans queued requests x connections on every event). P and D are called
 through impl.router.upstream_http, the router's own keep-alive HTTP/1.1 client: aiohttp's client
-cost ~136 us a call and a turn makes two (a bare asyncio exchange: ~49 us). aiohttp's ClientSession
-still serves the health probes and /v1/models, off a turn's path. Measured on the shared 2-core
-machine (uvloop, router on one core): 0.45-0.47 ms router CPU per turn at c=50 (2,100-2,240 req/s),
-0.51-0.54 ms at c=500 (0.87 of c=50's throughput, pooled upstream connections kept), 0.58-0.61 ms
-at c=1 with 0.61-0.66 ms added TTFT p50 and 0.82-1.10 ms p99; with aiohttp's client 0.60-0.66,
-0.75-0.80 and 0.86-0.89 ms, p99 1.26-1.49 ms. Startup objects are frozen out of the GC (``serve``).
+costs ~136 us a call and a turn makes two (a bare asyncio exchange: ~49 us). aiohttp's ClientSession
+still serves the health probes and /v1/models, off a turn's path. What the router costs per turn, and
+the command that measures it: docs/results/router.md. Startup objects are frozen out of the GC (``serve``).
 
 Routes::
 
