@@ -52,8 +52,8 @@ from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
-from impl.router.request import (Endpoint, RequestError, check_context_budget, parse_json_body, parse_turn,
-                                 refuse_nested_kv_params)
+from impl.router.request import (Endpoint, RequestError, check_context_budget, client_cache_salt, parse_json_body,
+                                 parse_turn, refuse_nested_kv_params)
 from impl.router.store_open import open_store
 from impl.router.stores import MemoryStore, StoreUnavailable
 from impl.router.scrub import scrub_body
@@ -257,7 +257,7 @@ class Router:
                 if limit:
                     check_context_budget(turn, limit)
                 if self.config.tenant_cache_salt and not self.tenants.open:
-                    turn.body["cache_salt"] = cache_salt_for(tenant, _client_cache_salt(turn.body))
+                    turn.body["cache_salt"] = cache_salt_for(tenant, client_cache_salt(turn.body))
                 response = await self.proxy.handle(request, turn, tenant, t0)
         except RequestError as e:
             response = error_response(e.status, e.message, "invalid_request_error", e.field)
@@ -346,6 +346,10 @@ class Router:
             return self._notify_result("busy", response)
         except BodyTimeout:
             return self._notify_result("body_timeout", self.connections.body_timeout_response())
+        except ConnectionResetError:
+            # the sender left mid-body: nobody to answer, nothing of ours failed (one debug line, counted)
+            log.debug("notification sender went away mid-body on %s", NOTIFY_PATH)
+            return self._notify_result("client_gone", web.Response(status=499))
         except (RequestError, NotifyError) as e:
             return self._notify_result("malformed", error_response(400, str(e), "invalid_request_error", e.field))
         result = self.hub.deliver(turn, token, notification)
@@ -378,13 +382,6 @@ def withhold_kv_locations(response: web.StreamResponse) -> web.StreamResponse:
     if clean is not body:
         response.body = clean
     return response
-
-
-def _client_cache_salt(body: dict) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
-        raise RequestError("cache_salt", "must be a non-empty string of at most 256 characters")
-    return salt
 
 
 def build_app(config: RouterConfig, tenants: Tenants | None = None, environ: Mapping[str, str] | None = None) -> web.Application:

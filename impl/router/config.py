@@ -93,6 +93,7 @@ class RouterConfig:
     learnt_retention_fallback_s: float = 480.0  # the hold asked until then (vLLM's default TTL)
     expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
+    heartbeat_retry_s: float = 10.0  # a listener that timed out or refused is not asked again this long
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
     tenant_cache_salt: bool = True  # with API keys: P's and D's prefix caches are shared only within a tenant
     # where conversations live: "memory" (this process) or redis://HOST:PORT/DB, shared by replicas
@@ -137,7 +138,7 @@ class RouterConfig:
             raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
                      "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s", "heartbeat_timeout_s",
-                     "store_timeout_s", "store_retry_s"):
+                     "heartbeat_retry_s", "store_timeout_s", "store_retry_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -236,6 +237,8 @@ FLAG_HELP: dict[str, str] = {
     "learnt_retention_fallback_s": "the hold the router asks for before a tenant has made enough returns (capped, as "
                                    "every hold, by --decoder-kv-blocks-ttl-s: D's TTL)",
     "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
+    "heartbeat_retry_s": "after D's heartbeat listener timed out or refused, heartbeats and give-back renewals skip "
+                         "it for this long (counted as outcome 'skipped'; a renewal then keeps D's published expiry)",
     "rewrite_remote_host": "replace remote_host in kv_transfer_params by the instance's HTTP host",
     "tenant_cache_salt": "with API keys, give each tenant's requests vLLM's cache_salt so tenants never share "
                          "prefix-cache blocks (no cross-tenant cache-timing probe)",

@@ -66,16 +66,22 @@ from impl.router.config import RouterConfig, url_host
 from impl.router.connections import BodyTimeout, ClientConnections
 from impl.router.metrics import Counter, RouterMetrics
 from impl.router.notify import Notification
-from impl.router.proxy import body_too_large_response, error_response, unauthenticated_response
+from impl.router.proxy import NOT_HELD_REASONS, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import RequestError, check_conversation_id, parse_json_body
 from impl.router.stores import MAX_ENGINES, RouterStore, StoreUnavailable
 from impl.router.tenants import Tenants
 
 log = logging.getLogger("bidikv.router")
 
-HEARTBEAT_ROUTE = "/v1/conversations/{conversation_id}/heartbeat"
+# any id a turn can be stored under, braces and all (aiohttp's default "{name}" pattern, [^{}/]+,
+# refuses "{3F2504E0-...}"): everything between the fixed parts
+HEARTBEAT_ROUTE = "/v1/conversations/{conversation_id:.+}/heartbeat"
 METRIC_ROUTE = "/v1/conversations/{id}/heartbeat"  # the requests_total label: never the id itself
 MAX_ANSWER_BYTES = 64 * 1024
+# D's clock runs from its finish, the stored entry's from when the router stored it (after D's
+# notification): a renewal may sit this much further past the published expiry than the router's own
+# elapsed time says, and more is a D answering nonsense
+RENEW_SLACK_S = 2.0
 _NOT_FOUND = "unknown conversation (never stored under this API key, expired, or evicted)"
 
 
@@ -124,11 +130,15 @@ class HeartbeatRelay:
             "bidikv_router_heartbeats_total",
             "Client heartbeats, by outcome (renewed; not_renewed: D held the blocks but its policy did not "
             "extend them; no_listener; not_held; not_found; unauthenticated; invalid; unreachable; timeout; "
-            "busy; bad_answer; superseded; store_unavailable).", ("outcome",)))
+            "busy; bad_answer; skipped: D's listener failed to answer within --heartbeat-retry-s, not asked "
+            "again yet; superseded; store_unavailable).", ("outcome",)))
         self.timeout = aiohttp.ClientTimeout(total=config.heartbeat_timeout_s,
                                              sock_connect=min(config.connect_timeout_s, config.heartbeat_timeout_s))
         self.session: aiohttp.ClientSession | None = None
         self._sharing: set[asyncio.Task] = set()  # listener URLs on their way to the shared store
+        # listener URL -> until when it is skipped (it timed out or refused): a hung listener costs one
+        # --heartbeat-timeout-s per --heartbeat-retry-s, not one per turn; bounded like the directory
+        self._skipped: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def learn(self, notification: Notification) -> None:
         engine = notification.kv_params.get("remote_engine_id")
@@ -228,12 +238,18 @@ class HeartbeatRelay:
             except StoreUnavailable:
                 pass  # P declines the stale blocks on the next turn, which then recomputes
             return error_response(410, "the decode instance no longer holds this conversation's KV "
-                                       f"({answer.get('reason', 'unknown')}); the next turn recomputes it",
+                                       f"({answer['reason']}); the next turn recomputes it",
                                   "not_held", "conversation_id"), "not_held"
-        expires_at = sent_at + answer["expires_in_s"]
+        # D's figures, bounded by what D's retention can grant: never longer than D's TTL or the hold it
+        # published with the turn, whichever is longer (a broken D answering 1e9 s is not believed)
+        cap = max(self.config.decoder_kv_blocks_ttl_s, entry.expires_at - entry.stored_at)
+        in_s = min(answer["expires_in_s"], cap)
+        expires_at = sent_at + in_s
         if answer["renewed"] and expires_at > entry.expires_at:
             params = dict(entry.kv_params)
-            params["remote_blocks_expiry_time"] = answer["expiry_time"]
+            expiry = _bounded_expiry(answer["expiry_time"], entry, sent_at, cap)
+            if expiry is not None:
+                params["remote_blocks_expiry_time"] = expiry
             renewed_entry = dataclasses.replace(entry, kv_params=params, expires_at=expires_at)
             try:
                 # written back only over the entry we read: a newer turn stored meanwhile (on any
@@ -264,14 +280,17 @@ class HeartbeatRelay:
         url = await self._listener_url(entry)
         if url is None:
             return "no_listener", None
+        sent_at = self.clock()
         try:
             answer = await self._relay(url, entry)
         except _RelayFailure as e:
             self.metrics.upstream_errors.inc(entry.decode_instance, "decode", f"renew_{e.outcome}")
             return e.outcome, None
         if answer["status"] == "not_held":
-            return str(answer.get("reason") or "not_held"), None
-        return ("renewed" if answer["renewed"] else "lapsing"), answer["expiry_time"]
+            return answer["reason"], None
+        # a renewal moves D's published expiry on by the time passed since it published it: D answers
+        # min(intended, now + publish window) (impl.policy.give_back); more is not believed
+        return ("renewed" if answer["renewed"] else "lapsing"), _bounded_expiry(answer["expiry_time"], entry, sent_at, 0.0)
 
     async def _current(self, tenant: str, conversation_id: str) -> ConversationEntry | None:
         try:
@@ -309,6 +328,12 @@ class HeartbeatRelay:
         """D's validated answer, or _RelayFailure (503 unreachable/busy, 504 timeout, 502 nonsense)."""
         if self.session is None:
             raise _RelayFailure(503, "unreachable", "the router is not started")
+        skipped_until = self._skipped.get(url)
+        if skipped_until is not None:
+            if time.monotonic() < skipped_until:
+                raise _RelayFailure(503, "skipped", "the decode instance's heartbeat listener failed to answer "
+                                                    "recently; heartbeat again shortly")
+            del self._skipped[url]
         payload = json.dumps({"request_id": entry.kv_params.get("remote_request_id"),
                               "engine_id": entry.kv_params.get("remote_engine_id")}).encode()
         try:
@@ -317,8 +342,10 @@ class HeartbeatRelay:
                 status = resp.status
                 raw = await _read_bounded(resp, MAX_ANSWER_BYTES)
         except aiohttp.ClientConnectorError:
+            self._skip(url)
             raise _RelayFailure(503, "unreachable", "the decode instance holding this conversation is unreachable") from None
         except asyncio.TimeoutError:
+            self._skip(url)
             raise _RelayFailure(504, "timeout", "the decode instance holding this conversation did not answer in time") from None
         except aiohttp.ClientError as e:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener failed ({type(e).__name__})") from None
@@ -329,6 +356,22 @@ class HeartbeatRelay:
             raise _RelayFailure(502, "bad_answer", f"the decode instance's heartbeat listener answered HTTP {status} "
                                                    "without a valid answer")
         return answer
+
+    def _skip(self, url: str) -> None:
+        self._skipped[url] = time.monotonic() + self.config.heartbeat_retry_s
+        self._skipped.move_to_end(url)
+        while len(self._skipped) > MAX_ENGINES:
+            self._skipped.popitem(last=False)
+
+
+def _bounded_expiry(answered: float, entry: ConversationEntry, sent_at: float, extra_s: float) -> float | None:
+    """D's answered expiry (D's clock), at most the expiry it published with the turn plus the time the
+    router has seen pass since it stored it (plus ``extra_s`` and the slack); None when the entry holds no
+    published expiry to measure from (the stored params are then left as they are)."""
+    published = entry.kv_params.get("remote_blocks_expiry_time")
+    if not _finite(published):
+        return None
+    return min(answered, published + max(0.0, sent_at - entry.stored_at) + extra_s + RENEW_SLACK_S)
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
@@ -361,7 +404,8 @@ def _parse_answer(raw: bytes) -> dict[str, Any] | None:
     if not isinstance(answer, dict):
         return None
     if answer.get("status") == "not_held":
-        return answer
+        reason = answer.get("reason", "not_held")
+        return {"status": "not_held", "reason": reason if reason in NOT_HELD_REASONS else "other"}
     if answer.get("status") != "held" or not isinstance(answer.get("renewed"), bool):
         return None
     if not _finite(answer.get("expires_in_s")) or answer["expires_in_s"] < 0 or not _finite(answer.get("expiry_time")):

@@ -145,7 +145,8 @@ class RouterMetrics:
                                                 "evicted, taken: another turn of the same history took it first; router: no_history: a first turn, "
                                                 "no_conversation_id: history keys off and no id, unsupported; prefill_error: a hit "
                                                 "withdrawn after P failed with it; given_back: a give-back D freed it "
-                                                "under memory pressure).", ("reason",), fold={"tenant": "unknown"}))
+                                                "under memory pressure; not_held: D's renewal answer was not a "
+                                                "well-formed held).", ("reason",), fold={"tenant": "unknown"}))
         self.reuse_lookups = r.add(Counter(p + "reuse_lookups_total", "Turns looked up in the store, by what they were "
                                            "looked up by (id: the client named the conversation; prompt_cache_key; "
                                            "history: the messages or prompt the client resent).", ("match",)))
@@ -158,8 +159,10 @@ class RouterMetrics:
                                              "--trace-sample-rate."))
         self.give_back_renewals = r.add(Counter(p + "give_back_renewals_total", "Renewals asked of a give-back D "
                                                 "before P reads, by outcome (renewed; lapsing: D is giving it back, P may "
-                                                "read until its expiry; given_back; expired; unknown; no_listener; "
-                                                "unreachable; timeout; busy; bad_answer).", ("outcome",)))
+                                                "read until its expiry; D's not_held reasons given_back, expired, unknown, "
+                                                "other_engine, not_held, and other for any reason the router does not "
+                                                "know; no_listener; unreachable; timeout; busy; skipped: the listener "
+                                                "failed within --heartbeat-retry-s; bad_answer).", ("outcome",)))
         # --learnt-retention-budget-tokens (impl.router.retention): fleet-wide figures, never per tenant
         self.learnt_retention = r.add(Gauge(p + "learnt_retention", "Learnt per-turn retention, by figure: "
                                             "budget_tokens, price_per_token_s (the value of a token-second of D's memory "

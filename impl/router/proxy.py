@@ -67,8 +67,15 @@ FRESH_TURN_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 # Fields P does not accept or that would make it do more than prefill (as vLLM's proxy strips them).
-# what a give-back D answers for a turn it no longer holds (impl.connector.heartbeat's not_held reasons)
-_NOT_HELD = ("given_back", "expired", "unknown", "other_engine", "not_held")
+# what a D answers for a turn it no longer holds (impl.connector.heartbeat's not_held reasons); any other
+# reason is read as "other" (impl.router.heartbeat): D's text never becomes a metric label or client text
+NOT_HELD_REASONS = ("given_back", "expired", "unknown", "other_engine", "not_held")
+_NOT_HELD = NOT_HELD_REASONS
+# relay outcomes in which D said nothing about the blocks (impl.router.heartbeat)
+NO_ANSWER = ("no_listener", "unreachable", "timeout", "busy", "skipped")
+# renewal outcomes after which the expiry D published with the turn still stands: D said it holds the
+# blocks (without an expiry the router could bound), or said nothing at all (P declines near that expiry)
+_STILL_HELD = ("renewed", "lapsing") + NO_ANSWER
 # answers a history key can be told from: plain, or with reasoning (the key's normal form drops it)
 _KEYABLE_ANSWERS = (None, "reasoning_content", "reasoning")
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "min_completion_tokens", "stream_options")
@@ -273,8 +280,10 @@ class TurnProxy:
                                    decode=upstream.name if upstream is not None else None,
                                    finished_after_s=self.clock() - t0)
             # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
-            turn_log.info("turn %s match=%s key=%s offered=%d P=%s next=%s", request_id, info["X-Bidikv-Reuse-Match"],
-                          shown_id(key[1]) if key else "-", offered.num_tokens if offered is not None else 0,
+            # "miss": why nothing was offered (the reuse_misses label; "-" on a hit)
+            turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s next=%s", request_id,
+                          info["X-Bidikv-Reuse-Match"], shown_id(key[1]) if key else "-",
+                          offered.num_tokens if offered is not None else 0, miss or "-",
                           prefill.upstream.name, shown_id(stored_key[1]) if stored_key else "-")
 
     # -- 1. lookup --------------------------------------------------------------------------------
@@ -314,8 +323,10 @@ class TurnProxy:
             self.metrics.give_back_renewals.inc(outcome)
             if expiry is not None:
                 entry = dataclasses.replace(entry, kv_params={**entry.kv_params, "remote_blocks_expiry_time": expiry})
-            elif outcome in _NOT_HELD:
-                reason = "given_back" if outcome == "given_back" else "expired"
+            elif outcome not in _STILL_HELD:
+                # only an explicit, well-formed "held" is held: any other answer (a not_held reason, one the
+                # router does not know, nonsense) means the blocks may be gone, and P is not offered them
+                reason = "given_back" if outcome == "given_back" else "expired" if outcome in _NOT_HELD else "not_held"
                 self.metrics.reuse_misses.inc(reason)
                 return None, outcome == "given_back", key, reason
         self.metrics.reuse_hits.inc()

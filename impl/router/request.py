@@ -21,6 +21,7 @@ The prompt view -- what the continuation guard compares -- depends on what the p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -32,6 +33,7 @@ from impl.policy.continuation import KnownPrefixes
 from impl.policy.history_key import (DEFAULT_MAX_CANDIDATES, HistoryKeys, PrefixAnchors, text_anchors,
                                      token_anchors)
 from impl.policy.text_prompt import TextPrompt
+from impl.router.log_safe import shown
 
 Endpoint = Literal["chat", "completion"]
 # How a turn finds the KV of the turn before (header X-Bidikv-Reuse-Match, metric label):
@@ -41,6 +43,10 @@ Endpoint = Literal["chat", "completion"]
 Match = Literal["id", "prompt_cache_key", "history", "none"]
 # the conversation part of a prompt_cache_key's store key (ids a client sends cannot start with NUL)
 PROMPT_CACHE_KEY_PREFIX = "\x00p:"
+# vLLM's cache_salt partitions the prefix cache per user: the keys the router derives (history, anchors,
+# prompt_cache_key) end with this and a digest of the salt, so one salt's requests never find another's
+SALT_SCOPE = "\x00s:"
+MAX_CACHE_SALT_CHARS = 256
 _TEXT_ANCHORS = text_anchors()
 _TOKEN_ANCHORS = token_anchors()
 MAX_TOKEN_ID = 2**31 - 1
@@ -77,6 +83,7 @@ class TurnRequest:
     # with match "history": the store keys to look up, most recent first (empty: a first turn)
     history_candidates: tuple[str, ...] = ()
     _history: HistoryKeys | PrefixAnchors | None = None
+    scope: str = ""  # the client's cache_salt, as the suffix of the keys the router derives ("" without one)
 
     def answers_in_history(self) -> int:
         """How many answers the request resends (a chat request's assistant messages; 0 otherwise): the
@@ -98,12 +105,12 @@ class TurnRequest:
         if self.match != "history" or self._history is None:
             return self.conversation_id
         if isinstance(self._history, HistoryKeys):
-            return self._history.after_answer(answer)
+            return self._history.after_answer(answer) + self.scope
         if self.prompt_kind == "text":
-            return self._history.stored(self.body["prompt"] + answer)
+            return self._history.stored(self.body["prompt"] + answer) + self.scope
         if output_token_ids is None:
             return None
-        return self._history.stored(list(self.body["prompt"]) + list(output_token_ids))
+        return self._history.stored(list(self.body["prompt"]) + list(output_token_ids)) + self.scope
 
     def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
         """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
@@ -251,13 +258,15 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
     if view is None:
         return turn
     if conversation_id is not None:
-        turn.match = "id"
+        turn.match = "id"  # the client named it: its own namespace within the tenant, salt or not
         return turn
+    turn.scope = salt_scope(client_cache_salt(body))
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None:
         if not isinstance(cache_key, str):
             raise RequestError("prompt_cache_key", "must be a string")
-        turn.conversation_id = PROMPT_CACHE_KEY_PREFIX + check_conversation_id(cache_key, max_id_len, "prompt_cache_key")
+        turn.conversation_id = (PROMPT_CACHE_KEY_PREFIX + check_conversation_id(cache_key, max_id_len, "prompt_cache_key")
+                                + turn.scope)
         turn.match = "prompt_cache_key"
         return turn
     if history_lookups <= 0:
@@ -275,8 +284,27 @@ def parse_turn(endpoint: Endpoint, body: dict[str, Any], header_conversation_id:
         history = anchors
         units = body["prompt"]
         turn.history_candidates = tuple(anchors.candidates(units))
+    if turn.scope:
+        turn.history_candidates = tuple(c + turn.scope for c in turn.history_candidates)
     turn.match, turn._history = "history", history
     return turn
+
+
+def client_cache_salt(body: dict[str, Any]) -> str | None:
+    """The client's ``cache_salt`` (vLLM's per-user prefix-cache partition), validated as vLLM takes it."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise RequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    if salt is not None:
+        _check_encodable(salt, "cache_salt")
+    return salt
+
+
+def salt_scope(salt: str | None) -> str:
+    """The suffix of a salted request's derived keys: a digest of the salt (never the salt itself)."""
+    if salt is None:
+        return ""
+    return SALT_SCOPE + hashlib.blake2b(salt.encode("utf-8"), digest_size=8, person=b"bidikv-salt").hexdigest()
 
 
 def refuse_nested_kv_params(body: dict[str, Any], raw: bytes) -> None:
@@ -336,11 +364,14 @@ def check_conversation_id(cid: str, max_len: int, field: str = "conversation_id"
 
 
 def shown_id(cid: str) -> str:
-    """A store key's conversation part as logs show it: the router's own keys by kind and a digest prefix."""
+    """A store key's conversation part as logs show it: the router's own keys by kind and a digest
+    suffix; what the client chose (an id, a prompt_cache_key) escaped and cut (impl.router.log_safe)."""
     if cid.startswith("\x00"):
+        cid, scoped, _ = cid.partition(SALT_SCOPE)
         kind = {"h": "history", "t": "text", "i": "tokens", "p": "prompt_cache_key"}.get(cid[1:2], "key")
-        return f"{kind}:{cid[-12:]}" if kind != "prompt_cache_key" else f"{kind}:{cid[3:]}"
-    return cid
+        text = f"{kind}:{shown(cid[-12:])}" if kind != "prompt_cache_key" else f"{kind}:{shown(cid[3:])}"
+        return text + (" (salted)" if scoped else "")
+    return shown(cid)
 
 
 def _chat_view(body: dict[str, Any]) -> tuple[str, PromptView | None, int]:
