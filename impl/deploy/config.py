@@ -29,11 +29,13 @@ from typing import Any, Mapping
 from calibration.hardware import PRESETS, Hardware, load_hardware
 from impl.connector.config import ConfigError as ConnectorConfigError
 from impl.connector.config import ConnectorSettings
+from impl.deploy.k8s_config import KubernetesSettings, parse_kubernetes
 from impl.router.config import url_host
 
 WORKLOADS = ("synthetic", "agentic", "mooncake")
 KV_BUFFER_DEVICES = ("cuda", "cpu")
-SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "router", "bench", "calibrate")
+SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "router", "bench", "calibrate",
+            "kubernetes")
 
 DEFAULT_INSTANCE = PRESETS["p5en"]  # P's and D's instance type: the published setup, two p5en.48xlarge
 
@@ -153,6 +155,12 @@ class DeployConfig:
     bench: Bench
     base_profile: str
     instance: Hardware  # P's and D's instance type (calibration/data/hardware_<preset>.json)
+    kubernetes: KubernetesSettings | None = None  # [kubernetes] (bidikv deploy manifests); None without the table
+
+    @property
+    def nodes_per_server(self) -> int:
+        """Instances one P or D spans: 1, or TP / GPUs per instance when its TP group spans whole instances."""
+        return max(1, self.model.tensor_parallel_size // self.instance.gpus_per_node)
 
     def results_path(self, name: str) -> str:
         base = Path(self.bench.results_dir)
@@ -420,10 +428,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
                   tensor_parallel_size=m.integer("tensor_parallel_size", 1, minimum=1),
                   max_model_len=m.integer("max_model_len", 0, minimum=0),
                   prefix_caching_on_prefill=m.boolean("prefix_caching_on_prefill", False))
-    if model.tensor_parallel_size > instance.gpus_per_node:
+    per_node = instance.gpus_per_node
+    if model.tensor_parallel_size > per_node and model.tensor_parallel_size % per_node:
+        # a TP group spanning nodes takes whole instances (Kubernetes: a LeaderWorkerSet of TP / per_node pods)
         raise DeployConfigError(source, "model.tensor_parallel_size",
-                                f"{model.tensor_parallel_size} exceeds the {instance.gpus_per_node} "
-                                f"{instance.accelerator or 'accelerators'} of one {instance.name}")
+                                f"{model.tensor_parallel_size} exceeds the {per_node} "
+                                f"{instance.accelerator or 'accelerators'} of one {instance.name} and is not a "
+                                f"multiple of {per_node} (a tensor-parallel group spanning nodes takes whole instances)")
     m.done()
 
     prefill = _server(source, "prefill", data["prefill"], {"http_port": 8100, "side_channel_port": 5600})
@@ -442,9 +453,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
     base_profile = cal.text("base_profile", "qwen3-32b@p5en-tp8")
     cal.done()
 
+    kubernetes = None
+    if "kubernetes" in data:
+        kubernetes = parse_kubernetes(_Table(source, "kubernetes", data["kubernetes"]))
     config = DeployConfig(source=source, workdir=workdir, python=python, model=model, prefill=prefill,
                           decode=decode, transfer=transfer, connector=connector, connector_settings=settings,
-                          router=router, bench=bench, base_profile=base_profile, instance=instance)
+                          router=router, bench=bench, base_profile=base_profile, instance=instance,
+                          kubernetes=kubernetes)
     _check_addresses(source, config)
     return config
 

@@ -25,7 +25,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from impl.deploy.config import DeployConfig, Server
+from impl.deploy.config import DeployConfig, DeployConfigError, Server
 
 MODES = ("on", "off")
 STEPS = ("decode", "prefill", "router", "bench", "report")
@@ -83,20 +83,35 @@ def _where(config: DeployConfig, ssh: str, argv: list[str], *, foreground_server
     return ("ssh", "-o", "BatchMode=yes", *tty, ssh, remote)
 
 
-def server_command(config: DeployConfig, role: str, mode: str) -> Command:
+def engine_args(config: DeployConfig, role: str, mode: str) -> list[str]:
+    """The vLLM engine flags of P or D, the same for the ssh recipe and the Kubernetes manifests."""
     server = config.prefill if role == "prefill" else config.decode
     model = config.model
-    argv = _env_argv(server_env(config, server)) + [
-        config.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model.name, "--served-model-name", model.served_name,
-        "--host", server.listen, "--port", str(server.http_port),
-        "--tensor-parallel-size", str(model.tensor_parallel_size)]
+    argv = ["--model", model.name, "--served-model-name", model.served_name,
+            "--tensor-parallel-size", str(model.tensor_parallel_size)]
     if model.max_model_len:
         argv += ["--max-model-len", str(model.max_model_len)]
     if role == "prefill" and not model.prefix_caching_on_prefill:
         argv.append("--no-enable-prefix-caching")
     argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config, role, mode), separators=(",", ":"))]
-    argv += list(server.extra_args)
+    return argv + list(server.extra_args)
+
+
+def require_one_instance(config: DeployConfig) -> None:
+    """The ssh recipe runs each server on one instance; a TP group spanning instances is Kubernetes-only."""
+    if config.nodes_per_server > 1:
+        raise DeployConfigError(config.source, "model.tensor_parallel_size",
+                                f"{config.model.tensor_parallel_size} spans {config.nodes_per_server} "
+                                f"{config.instance.name}: the ssh recipe starts each server on one instance; render "
+                                "Kubernetes manifests instead (bidikv deploy manifests: a LeaderWorkerSet per server)")
+
+
+def server_command(config: DeployConfig, role: str, mode: str) -> Command:
+    require_one_instance(config)
+    server = config.prefill if role == "prefill" else config.decode
+    argv = _env_argv(server_env(config, server)) + [
+        config.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", server.listen, "--port", str(server.http_port), *engine_args(config, role, mode)]
     name = "P" if role == "prefill" else "D"
     title = (f"{role} ({name}, {ROLES[role]}, bidirectional {mode.upper()}) on {server.host}: HTTP {server.http_port}, "
              f"NIXL side channel {server.side_channel_port}; foreground, Ctrl-C stops it")
@@ -116,18 +131,22 @@ def router_ttl_s(config: DeployConfig) -> float:
     return s.decoder_kv_blocks_ttl
 
 
+def router_args(config: DeployConfig, mode: str, prefill: list[str], decode: list[str], notify_base: str) -> list[str]:
+    """The router's flags in front of the given P and D URLs; D notifies ``notify_base``/internal/kv_params."""
+    argv = ["--prefill", *prefill, "--decode", *decode, "--port", str(config.router.port),
+            "--decoder-kv-blocks-ttl-s", f"{router_ttl_s(config):g}"]
+    if mode == "on":
+        argv += ["--notify", "--notify-url", f"{notify_base}/internal/kv_params"]
+    else:
+        argv.append("--no-notify")
+    return argv + list(config.router.extra_args)
+
+
 def router_command(config: DeployConfig, mode: str) -> Command:
     r = config.router
     argv = _env_argv([("PYTHONPATH", config.workdir)]) + [
-        config.python, "-m", "impl.router",
-        "--prefill", config.prefill.url, "--decode", config.decode.url,
-        "--host", r.listen, "--port", str(r.port),
-        "--decoder-kv-blocks-ttl-s", f"{router_ttl_s(config):g}"]
-    if mode == "on":
-        argv += ["--notify", "--notify-url", f"{r.url}/internal/kv_params"]
-    else:
-        argv.append("--no-notify")
-    argv += list(r.extra_args)
+        config.python, "-m", "impl.router", "--host", r.listen,
+        *router_args(config, mode, [config.prefill.url], [config.decode.url], r.url)]
     title = f"router on {r.host}:{r.port} in front of P {config.prefill.url} and D {config.decode.url} (mode {mode})"
     return Command("router", title, _where(config, r.ssh, argv, foreground_server=True))
 
@@ -207,5 +226,6 @@ def nul_argv(commands: list[Command]) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["Command", "MODES", "STEPS", "format_commands", "kv_transfer_config", "nul_argv", "plan",
-           "router_command", "router_ttl_s", "server_command", "server_env", "step_commands"]
+__all__ = ["Command", "MODES", "STEPS", "engine_args", "format_commands", "kv_transfer_config", "nul_argv", "plan",
+           "require_one_instance", "router_args", "router_command", "router_ttl_s", "server_command", "server_env",
+           "step_commands"]

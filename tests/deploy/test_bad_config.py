@@ -35,7 +35,8 @@ def _same_host(config):
 
 BAD = [
     (_set("deploy.instance_type", "p4d.24xlarge"), "deploy.instance_type", "unknown instance type"),
-    (_set("model.tensor_parallel_size", 16), "model.tensor_parallel_size", "exceeds the 8 H200 of one p5en.48xlarge"),
+    (_set("model.tensor_parallel_size", 12), "model.tensor_parallel_size", "exceeds the 8 H200 of one p5en.48xlarge"
+     " and is not a multiple of 8"),
     (lambda c: (c["deploy"].update(instance_type="p5.48xlarge"), c["model"].update(tensor_parallel_size=9)),
      "model.tensor_parallel_size", "exceeds the 8 H100 SXM of one p5.48xlarge"),
     (_drop("prefill.host"), "prefill.host", "required"),
@@ -118,3 +119,19 @@ def test_unreadable_and_invalid_files(tmp_path):
 def test_unknown_script_argument_is_refused(write_config):
     done = run_script("start_decode.sh", "--config", str(write_config(sample())), "--mdoe", "on")
     assert done.returncode == 2 and "unknown argument: --mdoe" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["start_decode.sh", "start_prefill.sh"])
+def test_a_tp_group_spanning_instances_is_refused_by_the_ssh_recipe(write_config, fake_python, script):
+    """TP 16 on 8-GPU instances is valid (Kubernetes renders it as a LeaderWorkerSet), but the ssh recipe
+    starts each server on one instance: it names the key and starts nothing."""
+    fake, record = fake_python
+    config = sample()
+    config["deploy"]["python"] = str(fake)
+    config["model"]["tensor_parallel_size"] = 16
+    assert parse_config(config, "my.toml").nodes_per_server == 2
+    done = run_script(script, "--config", str(write_config(config)), "--mode", "on")
+    assert done.returncode == 2, done.stderr
+    assert "model.tensor_parallel_size: 16 spans 2 p5en.48xlarge" in done.stderr
+    assert "bidikv deploy manifests" in done.stderr and "Traceback" not in done.stderr
+    assert not record.exists()
