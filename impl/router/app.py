@@ -138,7 +138,7 @@ class Router:
         claim = getattr(self.conversations, "claim_tenancy", None)  # a store shared by replicas
         if claim is not None:
             try:
-                await claim("open" if self.tenants.open else "keyed")
+                await claim("open" if self.tenants.open else "keyed", self.tenants.key_map())
             except StoreUnavailable:
                 log.warning("conversation store unreachable at start-up: this replica's tenancy (API keys or none) "
                             "is not checked against the fleet's")

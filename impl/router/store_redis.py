@@ -69,6 +69,8 @@ from impl.router.stores import MAX_ENGINES, StoreUnavailable, Versioned
 log = logging.getLogger("bidikv.router")
 
 BACKSTOP_GRACE_S = 600.0
+# the most tokens (or held items) an entry read back may claim: a token id's range, far beyond any context
+MAX_STORED_TOKENS = 2**31 - 1
 _FOREVER = 1e308  # an entry that never expires (expires_at = inf): the largest finite score
 _PENDING_POLL_S = 0.005
 
@@ -88,6 +90,12 @@ local function remember_gone(m, reason, max)
     local old = redis.call('ZPOPMIN', pfx .. 'gone_order', extra)
     for i = 1, #old, 2 do redis.call('HDEL', pfx .. 'gone', old[i]) end
   end
+end
+-- true when key k holds something other than an entry's hash (a string, a list...: not a router's):
+-- its commands would fail the whole script with WRONGTYPE, which would read as the store being down
+local function foreign(k)
+  local t = redis.call('TYPE', k).ok
+  return t ~= 'hash' and t ~= 'none'
 end
 local function forget_gone(m)
   redis.call('HDEL', pfx .. 'gone', m)
@@ -118,6 +126,11 @@ local now, m, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local purged = purge(now, max, 100)
 if ARGV[4] == '1' and redis.call('EXISTS', pfx .. 'p:' .. m) == 1 then
   return {'pending', purged, redis.call('ZCARD', pfx .. 'lru')}
+end
+if foreign(pfx .. 'e:' .. m) then
+  -- a miss for this conversation, never the store: removed so it costs one miss
+  remove(m, false, max)
+  return {'miss', purged, redis.call('ZCARD', pfx .. 'lru'), 'corrupt'}
 end
 local h = redis.call('HMGET', pfx .. 'e:' .. m, 'v', 'u', 'd')
 if not h[1] then
@@ -165,7 +178,7 @@ _RECORD = _COMMON + r"""
 local now, m, max, u, data, ttl, expect = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
 local purged = purge(now, max, 100)
 local k = pfx .. 'e:' .. m
-if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then
+if expect ~= '' and (foreign(k) or redis.call('HGET', k, 'v') ~= expect) then
   return {'conflict', purged, redis.call('ZCARD', pfx .. 'lru')}
 end
 remove(m, false, max)
@@ -198,7 +211,7 @@ return {'stored', purged, redis.call('ZCARD', pfx .. 'lru'), tostring(v), evicte
 _FORGET = _COMMON + r"""
 local m, expect, max, why = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local k = pfx .. 'e:' .. m
-if expect ~= '' and redis.call('HGET', k, 'v') ~= expect then return 0 end
+if expect ~= '' and (foreign(k) or redis.call('HGET', k, 'v') ~= expect) then return 0 end
 local present = redis.call('EXISTS', k)
 remove(m, false, max)
 if why ~= '' and present == 1 then remember_gone(m, why, max) else forget_gone(m) end
@@ -452,6 +465,10 @@ class RedisStore:
                 or not isinstance(entry.decode_instance, str) or not isinstance(entry.expires_at, (int, float)) \
                 or not (entry.held_digest is None or isinstance(entry.held_digest, str)):
             raise _BadEntry(MissReason.CORRUPT, "a field of the wrong type")
+        # what reaches headers, counters and the guard: a count a model's context can hold, a real time
+        if not (0 <= entry.num_tokens <= MAX_STORED_TOKENS and 0 <= entry.held_len <= MAX_STORED_TOKENS) \
+                or entry.expires_at != entry.expires_at or entry.stored_at != entry.stored_at:
+            raise _BadEntry(MissReason.CORRUPT, "a number out of range")
         return entry
 
     def _bad_entry(self, e: _BadEntry, m: bytes) -> None:
@@ -551,7 +568,22 @@ class RedisStore:
 
     async def get(self, tenant: str, conversation_id: str) -> Versioned | None:
         key = self.prefix.encode() + b"e:" + member(tenant, conversation_id)
-        version, data = await self._call(lambda: self.client.hmget(key, "v", "d"))
+
+        async def read() -> list:
+            # TYPE first, in the same round trip: a key that is not a hash is no entry of ours, and HMGET on
+            # it would fail (WRONGTYPE) like an unreachable store
+            async with self.client.pipeline(transaction=False) as pipe:
+                return await pipe.type(key).hmget(key, "v", "d").execute(raise_on_error=False)
+
+        kind, fields = await self._call(read)
+        if kind not in (b"hash", "hash"):
+            if kind not in (b"none", "none"):
+                self._bad_entry(_BadEntry(MissReason.CORRUPT, f"a Redis {kind!r}, not an entry"),
+                                member(tenant, conversation_id))
+            return None
+        if isinstance(fields, Exception):
+            raise StoreUnavailable(str(fields))
+        version, data = fields
         if version is None or data is None:
             return None
         try:
@@ -560,10 +592,16 @@ class RedisStore:
             self._bad_entry(e, member(tenant, conversation_id))
             return None
 
-    async def claim_tenancy(self, mode: str) -> None:
+    async def claim_tenancy(self, mode: str, key_map: dict[str, str] | None = None) -> None:
         """Record this fleet's tenancy (``open``: no API keys, every client is tenant ``default``;
         ``keyed``) on first start, and refuse a replica whose mode differs: its clients would share the
-        other replicas' conversations under another tenancy (ValueError, at start-up)."""
+        other replicas' conversations under another tenancy (ValueError, at start-up).
+
+        ``key_map`` (:meth:`impl.router.tenants.Tenants.key_map`): per API key, an id of the key -> a
+        digest of its tenant keyed by the key. Each is recorded on first sight, and a replica that maps a
+        key the fleet knows to another tenant is refused: a key of B's mapped to A on one replica would
+        read A's conversations there. A key added later (rotation) is simply recorded; neither keys nor
+        tenant names are stored."""
         key = self.prefix + "tenancy"
         await self._call(lambda: self.client.set(key, mode, nx=True))
         stored = await self._call(lambda: self.client.get(key))
@@ -572,6 +610,26 @@ class RedisStore:
             raise ValueError(f"--store: the replicas sharing this store (prefix {self.prefix!r}) run {stored} "
                              f"(API keys {'configured' if stored == 'keyed' else 'absent'}) and this one {mode}: "
                              "start every replica with the same API keys, or give this one its own --store-prefix")
+        if not key_map:
+            return
+        fields = sorted(key_map)
+        map_key = self.prefix + "key_map"
+
+        async def claim() -> list:
+            async with self.client.pipeline(transaction=True) as pipe:
+                for field in fields:
+                    pipe.hsetnx(map_key, field, key_map[field])
+                pipe.hmget(map_key, fields)
+                return (await pipe.execute())[-1]
+
+        recorded = await self._call(claim)
+        differing = sum(1 for field, value in zip(fields, recorded)
+                        if value is not None and (value.decode() if isinstance(value, bytes) else value) != key_map[field])
+        if differing:
+            raise ValueError(f"--store: {differing} of this replica's {len(fields)} API key(s) belong to another tenant on "
+                             f"the replicas sharing this store (prefix {self.prefix!r}): start every replica with the "
+                             "same key file, or give this one its own --store-prefix (to remap a key fleet-wide, "
+                             f"delete the {map_key!r} hash first)")
 
     async def mark_pending(self, tenant: str, conversation_id: str, ttl_s: float) -> None:
         key = self.prefix.encode() + b"p:" + member(tenant, conversation_id)

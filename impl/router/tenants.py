@@ -17,7 +17,8 @@ reads blocks by id, not by hash, so reuse across a tenant's own turns is unaffec
 
 A fleet sharing one store must agree on this: a replica without keys maps every client to
 ``default``, so keyed tenants may not take that name, and a shared store remembers whether its fleet runs
-open or keyed and refuses a replica that differs (:meth:`impl.router.store_redis.RedisStore.claim_tenancy`).
+open or keyed and refuses a replica that differs, or that maps a key the fleet knows to another tenant
+(:meth:`impl.router.store_redis.RedisStore.claim_tenancy`, with :meth:`Tenants.key_map`).
 
 Keys are kept only as SHA-256 digests and looked up by the digest of the presented key, so the
 lookup time does not depend on how much of a key matched.
@@ -26,6 +27,7 @@ lookup time does not depend on how much of a key matched.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -45,6 +47,14 @@ class Tenants:
     def open(self) -> bool:
         """True when no key is configured: every request is the default tenant."""
         return not self.by_key_digest
+
+    def key_map(self) -> dict[str, str]:
+        """What a shared store compares between replicas (impl.router.store_redis.claim_tenancy), per key: an
+        id of the key -> a digest of its tenant keyed by the key. Neither key nor tenant can be read back,
+        and without the key nobody can tell which tenant an id maps to."""
+        return {hashlib.blake2b(d, digest_size=16, person=b"bidikv-key-id").hexdigest():
+                hmac.new(d, b"bidikv-tenant\0" + tenant.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+                for d, tenant in self.by_key_digest.items()}
 
     def tenant_for(self, authorization: str | None) -> str | None:
         """The tenant of an ``Authorization: Bearer <key>`` header, or None if it does not authenticate."""
