@@ -55,13 +55,19 @@ def ident(obj: dict[str, Any]) -> str:
 # --- schemas -------------------------------------------------------------------------------------------
 
 def _schema_dir(version: str) -> str:
+    """The newest shipped schema set not newer than ``version`` (as kubernetes-validate itself picks)."""
     from kubernetes_validate import utils
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
-    wanted = Version(version)
-    shipped = [v for v in utils.all_versions() if Version(utils.major_minor(v)) <= wanted]
-    if not shipped:
-        raise ValueError(f"kubernetes-validate ships no schemas for Kubernetes {version}")
+    every = utils.all_versions()
+    span = f"kubernetes-validate ships {utils.major_minor(every[0])} to {utils.major_minor(every[-1])}"
+    try:
+        wanted = Version(utils.major_minor(version.removeprefix("v")))
+    except InvalidVersion:
+        raise ValueError(f"--kubernetes-version: {version!r} is not a version like 1.34 ({span})") from None
+    shipped = [v for v in every if Version(utils.major_minor(v)) <= wanted]
+    if not shipped or wanted > Version(utils.major_minor(every[-1])):
+        raise ValueError(f"--kubernetes-version: no schemas for Kubernetes {version} ({span})")
     return f"v{shipped[-1]}-local-strict"
 
 

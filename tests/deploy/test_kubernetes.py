@@ -119,6 +119,53 @@ def test_instance_presets_set_gpus_and_efa_per_pod():
     assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["cpu"]) == ("2", "8", "36")
 
 
+def _expand(args: list[str], values: dict[str, str]) -> list[str]:
+    """What the kubelet does to $(VAR) in a container's args."""
+    for name, value in values.items():
+        args = [a.replace(f"$({name})", value) for a in args]
+    return args
+
+
+def test_the_rendered_commands_parse_with_the_installed_vllm_and_the_router():
+    """The real parsers, not a shape check: vLLM 0.32's serve parser (the api_server's and `vllm serve`'s
+    make_arg_parser) and its EngineArgs take every P/D command, LWS leader and worker included, and the
+    router's own CLI builds a RouterConfig from the router's."""
+    import argparse
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from impl.router.cli import add_arguments, config_from_args
+
+    lws_values = {"LWS_LEADER_ADDRESS": "bidikv-decode-0.bidikv-decode", "LWS_WORKER_INDEX": "1"}
+    for shape, tp in (("1P1D", 8), ("2P2D-TP16-LWS", 16)):
+        objects = render(k8s_sample(**CONFIGS[shape])).objects
+        servers = [(o, t) for o in objects if o["kind"] in ("StatefulSet", "LeaderWorkerSet")
+                   and o["metadata"]["name"] != "bidikv-store"
+                   for t in (("template",) if o["kind"] == "StatefulSet" else ("leaderTemplate", "workerTemplate"))]
+        assert len(servers) == (2 if tp == 8 else 4)
+        for workload, template in servers:
+            c = container(workload, template)
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args(_expand(c["args"], lws_values))
+            validate_parsed_serve_args(args)
+            engine = AsyncEngineArgs.from_cli_args(args)
+            assert engine.tensor_parallel_size == tp and engine.model == "Qwen/Qwen3-32B"
+            assert engine.kv_transfer_config.kv_connector_module_path == "impl.connector"
+            assert engine.kv_transfer_config.kv_role == ("kv_producer" if "prefill" in workload["metadata"]["name"]
+                                                         else "kv_consumer")
+            if tp > 8:
+                assert (engine.nnodes, engine.node_rank) == (2, 0 if template == "leaderTemplate" else 1)
+                assert engine.master_addr == "bidikv-decode-0.bidikv-decode"
+                assert args.headless == (template == "workerTemplate")
+        router = container(by(objects, "Deployment", "bidikv-router"))
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        config = config_from_args(parser.parse_args(_expand(router["args"], {"POD_IP": "10.1.2.3"})))
+        assert config.notify_url == "http://10.1.2.3:9000/internal/kv_params" and config.notify
+        assert config.store.startswith("redis://bidikv-store-0.") and len(config.decode) == CONFIGS[shape]["decode"]
+
+
 def test_lease_heartbeat_port_is_exposed_on_d():
     config = k8s_sample()
     config["connector"].update(bidikv_retention="lease", bidikv_heartbeat_port=5700)
@@ -378,3 +425,25 @@ def test_check_manifests_cli_names_the_problem(tmp_path):
     path.write_text(to_yaml(objects))
     done = _run_cli(["check-manifests", str(path)])
     assert done.returncode == 1 and "references Secret 'bidikv-secrets', which is not rendered" in done.stderr
+
+
+@pytest.mark.parametrize("version, words", [("1.99", "no schemas for Kubernetes 1.99"), ("latest", "not a version")])
+def test_an_unknown_kubernetes_version_is_a_named_error(tmp_path, version, words):
+    path = tmp_path / "deploy.toml"
+    path.write_text(to_toml(k8s_sample()))
+    done = _run_cli(["manifests", "--config", str(path), "--kubernetes-version", version])
+    assert done.returncode == 2 and done.stdout == "" and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_older_kubernetes_version_is_checked_against_its_own_schemas():
+    objects = render(k8s_sample(prefill=2, decode=4)).objects
+    assert schema_problems(objects, "1.30") == []
+
+
+def test_the_shipped_deploy_toml_renders_and_passes_every_check():
+    from impl.deploy.config import load_config
+    from tests.deploy.conftest import DEPLOY_DIR
+
+    config = load_config(DEPLOY_DIR / "deploy.toml")
+    assert config.kubernetes is not None and config.kubernetes.router_replicas == 2
+    assert check_manifests(render_manifests(config, "on", ENV).objects) == []
