@@ -30,6 +30,7 @@ from sim.interconnect import Interconnect
 from sim.learnt import LearntHolds
 from sim.oracle import OracleRetention
 from sim.prefill import PrefillNode
+from sim.prefill_on_d import PrefillOnDRouting
 from sim.records import RecordTable, TurnRecord, fields_of, summarize
 from sim.rng import stream
 from sim.router import Router
@@ -68,6 +69,11 @@ class Cluster:
         for p in self.prefill:
             p.decline_frees_d = pol.decline_frees_d
         self.router.add_decode(self.decode)
+        if pol.prefill_on_d != "off":
+            self.router.on_d = PrefillOnDRouting(pol.prefill_on_d_policy(), self.router._decode_by_name, self.prefill,
+                                                 pol.expiry_margin_s)
+            for d in self.decode:
+                d.step_token_budget = topo.max_num_batched_tokens
         # each conversation's turn in flight, for the oracle's look at the next one (only it reads them)
         self._conversations: dict[tuple[str, str], Conversation] = {}
         self._turn_index: dict[tuple[str, str], int] = {}
@@ -204,7 +210,7 @@ class Cluster:
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
         # a conversation's turns are sent in order, so those sent are a prefix: one count per conversation
-        # id (tenants pooled, as a set of (id, turn) had them), not a set entry per turn at the run's peak
+        # (tenant and id: the same id under two tenants is two conversations), not a set entry per turn
         # a turn's record is packed when the turn ends, completed or rejected: only records still held
         # as objects (the turns in flight) can be unfinished
         records = self.records
@@ -214,12 +220,12 @@ class Cluster:
             if math.isnan(rec.completion_s) and not rec.rejected:
                 rec.rejected = why
         records.pack_held()
-        sent: dict[str, int] = {}
-        for conversation, index in fields_of(records, "conversation", "turn"):
-            if index >= sent.get(conversation, 0):
-                sent[conversation] = index + 1
+        sent: dict[tuple[str, str], int] = {}
+        for tenant, conversation, index in fields_of(records, "tenant", "conversation", "turn"):
+            if index >= sent.get((tenant, conversation), 0):
+                sent[(tenant, conversation)] = index + 1
         for conv in conversations:
-            for index in range(sent.get(conv.conversation_id, 0), len(conv.turns)):
+            for index in range(sent.get((conv.tenant, conv.conversation_id), 0), len(conv.turns)):
                 turn = conv.turns[index]
                 rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
                 rec.rejected = ("not released by max_sim_time_s" if math.isnan(self._stuck_at) else

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from impl.policy.prefill_on_d import POLICIES as PREFILL_ON_D_POLICIES, PrefillOnD
 from impl.policy.return_time import LearntRetention, LearntRetentionSettings
 from impl.policy import (
     BreakEvenThreshold,
@@ -87,6 +88,26 @@ class PolicyConfig:
                                      "off: D holds them to the TTL")
     placement: str = _f("round_robin", "instance placement", choices=("round_robin", "least_loaded", "kv_aware"))
     max_conversations: int = _f(1_000_000, "router conversation-store bound (LRU)")
+    # prefill on D (impl.policy.prefill_on_d; rules of NVIDIA Dynamo's conditional disaggregation,
+    # https://github.com/ai-dynamo/dynamo/pull/11357)
+    prefill_on_d: str = _f(
+        "off", "send a later turn to the D that holds its conversation, which computes the new suffix between its "
+               "decode steps (no P leg, no KV transfer; D's other sequences wait for it): off; isl_bounding = when "
+               "the suffix is short (below --prefill-on-d-suffix-tokens and --prefill-on-d-suffix-ratio of the "
+               "prompt); prefill_load = when P's queue is at --prefill-on-d-p-busy-tokens or more; isl_or_load = "
+               "either", choices=PREFILL_ON_D_POLICIES)
+    prefill_on_d_suffix_tokens: int = _f(2048, "prefill on D (isl_bounding, isl_or_load): the suffix (prompt less what "
+                                               "D holds) must be below this many tokens (Dynamo's eff_isl_threshold)")
+    prefill_on_d_suffix_ratio: float = _f(0.7, "prefill on D (isl_bounding, isl_or_load): the suffix must also be below "
+                                               "this share of the prompt (Dynamo's eff_isl_ratio_threshold)")
+    prefill_on_d_p_busy_tokens: int = _f(16384, "prefill on D (prefill_load): P counts as busy with this many prefill "
+                                                "tokens queued")
+    prefill_on_d_d_pending_tokens: int = _f(8192, "prefill on D: most suffix tokens a D may have been sent and not yet "
+                                                  "computed (a turn that would exceed it goes to P)")
+    prefill_on_d_d_busy_fraction: float = _f(1.0, "prefill on D: no turn goes to a D whose KV use (running and "
+                                                  "arriving blocks) is at this share of its pool (1: only a full D)")
+    prefill_on_d_lapsed_s: float = _f(0.0, "prefill on D: how long after a conversation's entry expired (or D kept "
+                                           "nothing) the router still counts on D's prefix cache holding it (seconds)")
 
     def recompute(self, cost_model: Any) -> Any:
         if self.recompute_policy == "break_even":
@@ -111,6 +132,11 @@ class PolicyConfig:
         if self.retained_under_pressure != "give_back":
             return None
         return GiveBack(self.give_back_publish_window_s, self.give_back_headroom, self.expiry_margin_s)
+
+    def prefill_on_d_policy(self) -> PrefillOnD:
+        return PrefillOnD(self.prefill_on_d, self.prefill_on_d_suffix_tokens, self.prefill_on_d_suffix_ratio,
+                          self.prefill_on_d_p_busy_tokens, self.prefill_on_d_d_pending_tokens,
+                          self.prefill_on_d_d_busy_fraction, self.prefill_on_d_lapsed_s)
 
     def placement_policy(self) -> Any:
         return {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAwareCost}[self.placement]()
@@ -191,7 +217,8 @@ class SimConfig:
                 raise ValueError(f"config field {name} {why}")
         for name, value in (("policy.recompute_policy", p.recompute_policy), ("policy.retention", p.retention),
                             ("policy.retained_under_pressure", p.retained_under_pressure),
-                            ("policy.placement", p.placement), ("clients.client_renewal", self.clients.client_renewal)):
+                            ("policy.placement", p.placement), ("policy.prefill_on_d", p.prefill_on_d),
+                            ("clients.client_renewal", self.clients.client_renewal)):
             section, key = name.split(".")
             choices = _field(type(getattr(self, section)), key).metadata["choices"]
             if value not in choices:
@@ -207,6 +234,10 @@ class SimConfig:
             GiveBack(p.give_back_publish_window_s, p.give_back_headroom, p.expiry_margin_s)
         except ValueError as exc:
             raise ValueError(f"config field policy (give_back): {_give_back_field_names(str(exc))}") from None
+        try:
+            p.prefill_on_d_policy()
+        except ValueError as exc:
+            raise ValueError(f"config field policy.prefill_on_d_{exc}") from None
         from sim.clients import linger_distribution
 
         linger_distribution(self.clients)  # names the field it rejects

@@ -64,6 +64,7 @@ from impl.policy import GiveBack, RetainedPool, releases
 from impl.policy.store import usable_until
 from sim.instant import after
 from sim.interconnect import Interconnect
+from sim.prefill_on_d import chunk_work_s
 from sim.records import NodeTotals, TurnRecord
 
 if TYPE_CHECKING:
@@ -77,13 +78,14 @@ class _Seq:
     ``base`` + steps taken, and it is done at step ``done_step``."""
 
     __slots__ = ("rec", "key", "revision", "context", "remaining", "blocks", "on_done", "order", "base",
-                 "join_step", "done_step", "node")
+                 "join_step", "done_step", "node", "prefill_left")
     # set when it first joins (declared: sim.native's compiled build allows only declared attributes)
     order: int
     base: int
     join_step: int
     done_step: int
     node: "DecodeNode"
+    prefill_left: int  # prefill on D: suffix tokens D has still to compute before it joins
 
     def __init__(self, rec: TurnRecord, key: Any, revision: int, context: int, remaining: int, blocks: int,
                  on_done: Callable[[], None]) -> None:
@@ -180,6 +182,13 @@ class DecodeNode:
         self._expiry_bound = math.inf
         # the wakes and the step boundary's timer callback, bound once (a segment arms one or two a turn)
         self._idle_wake, self._segment_wake, self._at_boundary = self._run, self._on_segment_wake, self._end_segment
+        # prefill on D (sim.prefill_on_d): turns admitted to compute their suffix here, oldest first; the
+        # chunks the step in flight carries; the suffix tokens not yet computed (the router reads them);
+        # the token budget of a step (vLLM's max_num_batched_tokens; set by the cluster)
+        self._prefilling: collections.deque[_Seq] = collections.deque()
+        self._chunks: list[tuple[_Seq, int]] = []
+        self.prefill_pending_tokens = 0
+        self.step_token_budget = 8192
         self._run()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -437,18 +446,23 @@ class DecodeNode:
     def declined(self, key: Any, now: float) -> None:
         """P will not read ``key``'s retained blocks (threshold, expiry margin, verification) and said
         so: they are unpinned now, not at their expiry (still hash-cached)."""
+        if self._unpin(key, now, "declined"):
+            self.totals.declined_freed += 1
+
+    def _unpin(self, key: Any, now: float, fate: str) -> bool:
+        """``key``'s retained blocks are unpinned now (still hash-cached); False if none were retained."""
         self._advance_retention(now)
         meta = self._retained_meta.pop(key, None)
         if meta is None:
-            return
+            return False
         blocks = self.retained.discard(key)
         self._forget_lapsing(key, blocks)
-        self._fate[key] = "declined"
-        self.totals.declined_freed += 1
+        self._fate[key] = fate
         self._to_cache(key, meta[0], meta[1], blocks, meta[3])
         self.load_dirty.add(self)
         if self._waiting_blocks:
             self._released()
+        return True
 
     def renew(self, key: Any, now: float) -> float | None:
         """A client heartbeat reached D: extend the retention if the policy says so."""
@@ -495,6 +509,10 @@ class DecodeNode:
         steps = rec.output_tokens - 1  # the first token came with the prefill
         seq = _Seq(rec, key, revision, n, steps if steps > 0 else 0, total, on_done)  # max(), no builtin call
         self.load_dirty.add(self)
+        if not p_name and key in self._retained_meta and self._local_hit(seq, lineage)[2] != "retained":
+            # prefill on D: the conversation's next turn ran here and does not continue what D retained (a
+            # rewritten history): nothing will read it, so it is unpinned, not held to its expiry
+            self._unpin(key, now, "superseded")
         if not self._waiting_blocks:
             hit_tokens = self._reserve(seq, lineage)
             if hit_tokens is not None:
@@ -578,7 +596,11 @@ class DecodeNode:
             rec.d_queue_s = waited
         self._check(self.running_blocks + self.arriving_blocks + self.retained.blocks + self.reading_blocks
                     + self.cached_blocks)
-        rec.p2d_tokens = p2d = seq.context - hit_tokens
+        p2d = seq.context - hit_tokens
+        if not p_name:  # prefill on D: the suffix is computed here, between decode steps
+            self._prefill_here(seq, p2d)
+            return
+        rec.p2d_tokens = p2d
         if p2d > 0:
             # the KV arrives, then the sequence joins (seq.arrived): from the transfer's own event
             seq.node = self
@@ -592,6 +614,10 @@ class DecodeNode:
         """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
         prefill through the router), so the wake may be processed on the spot (sim.instant)."""
         self._joining.append(seq)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the engine loop for a sequence that joins or a suffix to compute (the caller's last act)."""
         armed = self._armed
         if armed is not None:
             self._armed = None
@@ -603,6 +629,59 @@ class DecodeNode:
                 armed(None)  # sim.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
+
+    # -- prefill on D (sim.prefill_on_d) ---------------------------------------------------------
+    def _prefill_here(self, seq: _Seq, suffix: int) -> None:
+        """``seq`` has its blocks (its held prefix reused): D computes the other ``suffix`` tokens in the
+        chunks of its next steps, then the sequence joins the batch."""
+        seq.prefill_left = suffix
+        rec = seq.rec
+        # what D reuses of its own copy and computes (the TTFT overhead then charges the reused tokens the
+        # profile's per-reused-byte term, calibrated on the pull path: < 1 ms at 20k tokens on Qwen3-32B)
+        rec.recomputed_tokens = suffix
+        rec.reused_tokens = seq.context - suffix
+        self.prefill_pending_tokens += suffix
+        self._prefilling.append(seq)
+        self._wake()
+
+    def _take_chunks(self, batch: int) -> float:
+        """The suffix chunks the next step carries (decode tokens first, then the budget's rest, oldest
+        suffix first, at least one token so a full batch cannot starve it): their work in seconds."""
+        budget = self.step_token_budget - batch
+        if budget < 1:
+            budget = 1
+        work = 0.0
+        chunks = self._chunks
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            left = seq.prefill_left
+            take = left if left < budget else budget
+            work += chunk_work_s(self.profile, take, seq.context - left)
+            chunks.append((seq, take))
+            budget -= take
+        return work
+
+    def _chunks_done(self) -> None:
+        """The step in flight ended: its chunks are computed; finished suffixes join the batch."""
+        now = self.env._now
+        for seq, take in self._chunks:
+            seq.prefill_left -= take
+            self.prefill_pending_tokens -= take
+            if seq.prefill_left == 0:
+                self._prefilling.remove(seq)
+                rec = seq.rec
+                rec.prefill_compute_s = now - rec.arrival_s - rec.d_queue_s
+                self._joining.append(seq)
+        self._chunks = []
+
+    def _prefill_step(self, now: float) -> None:
+        """A step with no sequence to decode: only suffix chunks (the segment machinery, one step)."""
+        step_s = self.profile.decode_step_s(0, 0) + self._take_chunks(0)
+        self._segment_crossings = 0
+        self._segment = (now, step_s, 1, step_s, 0.0)
+        self._armed = wake = self._segment_wake
+        self._segment_timer = after(self.env, step_s, wake)
 
     # -- the engine loop -------------------------------------------------------------------------
     # Callbacks rather than a process: the loop is woken by a joining sequence or a segment's timer and
@@ -616,7 +695,7 @@ class DecodeNode:
         # finishes, preemption) runs in here or just before it, before any placement can read them
         self.load_dirty.add(self)
         while True:
-            if not running and not joining:
+            if not running and not joining and not self._prefilling:
                 self._armed = self._idle_wake
                 return
             now = env._now
@@ -648,11 +727,17 @@ class DecodeNode:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
+            prefilling = self._prefilling
             if not running:
+                if prefilling and not joining:
+                    self._prefill_step(now)
+                    return
                 continue
             while done_at[0][1] not in running:  # a preempted sequence's entry
                 heapq.heappop(done_at)
             k = done_at[0][0] - steps
+            if prefilling:  # one step at a time while D computes a suffix: each step carries a chunk
+                k = 1
             batch = len(running)
             # self._crossings(k), inline
             e = k % bs
@@ -683,6 +768,9 @@ class DecodeNode:
             step0 = profile.decode_step_s(batch, context)
             slope = profile.decode_step_s(batch, context + batch) - step0
             segment_s = k * step0 + slope * k * (k - 1) / 2  # elapsed(k), as _on_segment_wake counts it
+            if prefilling:  # k = 1: the step carries the suffix chunks
+                step0 = segment_s = segment_s + self._take_chunks(batch)
+                slope = 0.0
             # one wake serves both ends of the wait: the segment's timer or a joining sequence
             self._segment = (now, segment_s, k, step0, slope)
             self._armed = wake = self._segment_wake
@@ -794,8 +882,10 @@ class DecodeNode:
                 crossings += sum(self._by_phase[lo:lo + e])
             self.running_blocks -= self._segment_crossings - crossings
         self._steps = steps = steps + k
+        if self._chunks:
+            self._chunks_done()
         deferred = None
-        if self._done_at[0][0] <= steps:
+        if self._done_at and self._done_at[0][0] <= steps:
             deferred = self._finish_done(self.env._now, True)  # defer
         self._run()
         if deferred is not None:

@@ -64,6 +64,7 @@ class Router:
         # node without drawing from ``rng``, so the router neither asks the policy nor follows the load.
         self._sole_p: str | None = prefill[0].name if len(prefill) == 1 else None
         self._sole_d: str | None = None
+        self.on_d: Any = None  # sim.prefill_on_d.PrefillOnDRouting when prefill on D is on
         # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
         # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
         self._p_index: LeastLoadedIndex | None = None
@@ -104,7 +105,7 @@ class Router:
             last[0].retention.observe_gap(now - last[1])
         if self.learnt is not None:
             self.learnt.arrived(key, rec.turn, now)
-        remote = None
+        remote = found = None
         if self.bidirectional:
             # the entry or why it missed, without a Lookup around it (one per turn)
             found = self.store.lookup_entry(key[0], key[1], _new_prompt(SyntheticPrompt, (key[1], revision, n)), now)
@@ -118,6 +119,13 @@ class Router:
                 rec.miss_reason = found._value_  # type: ignore[union-attr]
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
+        if self.on_d is not None and rec.turn > 0:
+            d_node = self.on_d.choose(rec, key, found, now)
+            if d_node is not None:  # the whole request to the D that holds the conversation: no P leg
+                rec.decode_instance = d_node.name
+                rec.recomputed_tokens = n  # until D takes its held prefix (if it rejects the turn, nothing was)
+                d_node.serve(rec, key, revision, "", lineage, on_done)
+                return
         p_name = self._pick_p(key, n, remote[1] if remote else 0)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
@@ -195,6 +203,8 @@ class Router:
         self._last_finish[key] = (d_node, now)
         if self.learnt is not None:
             self.learnt.finished(key, seq.blocks, now)
+        if self.on_d is not None:
+            self.on_d.finished(key, d_node.name, seq.context, expires_at, now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);

@@ -10,6 +10,7 @@ Reading guide, one concern per module:
 * :mod:`~impl.policy.store`        -- the router's conversation -> KV-location map
 * :mod:`~impl.policy.continuation` -- the guard that a new prompt continues the held sequence
 * :mod:`~impl.policy.placement`    -- which P and D instance serve a turn
+* :mod:`~impl.policy.prefill_on_d` -- pull to P, prefill on the D that holds the conversation, or recompute
 
 Rules for this package: standard library only, no I/O, no globals; time is passed in as ``now``
 (seconds) and randomness as a ``random.Random``. A rule the simulator and the server both need lives

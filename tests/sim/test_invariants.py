@@ -67,6 +67,16 @@ def configs(draw):
         p.gap_ttl_cap_s = draw(st.sampled_from([60.0, 900.0]))
     p.decoder_kv_blocks_ttl = draw(st.sampled_from([0.0, 60.0, 480.0, math.inf]))
     p.placement = draw(st.sampled_from(["round_robin", "least_loaded", "kv_aware"]))
+    p.prefill_on_d = draw(st.sampled_from(["off", "isl_bounding", "prefill_load", "isl_or_load"]))
+    if p.prefill_on_d != "off":
+        p.prefill_on_d_suffix_tokens = draw(st.sampled_from([64, 2048]))
+        p.prefill_on_d_suffix_ratio = draw(st.sampled_from([0.3, 1.0]))
+        p.prefill_on_d_p_busy_tokens = draw(st.sampled_from([0, 16384]))
+        p.prefill_on_d_d_pending_tokens = draw(st.sampled_from([300, 8192]))
+        p.prefill_on_d_d_busy_fraction = draw(st.sampled_from([0.5, 1.0]))
+        # a hold that lapsed: never counted on, or for as long as any of these runs lasts
+        p.prefill_on_d_lapsed_s = draw(st.sampled_from([0.0, 100.0, 1e6]))
+        p.decode_prefix_caching = draw(st.booleans())
     return cfg.validate()
 
 
@@ -134,6 +144,31 @@ def check_no_read_after_expiry(cfg, reads: Reads) -> None:
         assert start < bound - margin, (p.retention, key, start, bound)
 
 
+def check_prefill_on_d_holds_token_for_token(cfg, r, recs, conv) -> None:
+    """9. prefill on D never serves a turn D does not hold token for token: a turn served on D is a later
+    turn, with no P leg and no KV moved, and the KV D reuses is that of an earlier turn of the same
+    conversation (tenant and id) that D served, at the same history revision (a rewritten history is a
+    new revision: nothing of the old one continues it), no longer than that turn's prompt + answer, and
+    short of the prompt's last token (computed for its logits); D computes the rest."""
+    assert r.turn > 0 and not r.prefill_instance and r.d2p_transfer_s == r.p2d_transfer_s == 0
+    assert r.pulled_tokens == r.p2d_tokens == r.p_local_hit_tokens == 0
+    if r.rejected:
+        return
+    assert r.reused_tokens == r.d_local_hit_tokens and r.recomputed_tokens == r.prompt_tokens - r.reused_tokens >= 1
+    if not r.reused_tokens:
+        return
+    turns = conv.turns
+    sources = [e for e in recs if (e.tenant, e.conversation) == (r.tenant, r.conversation) and e.turn < r.turn
+               and not e.rejected and e.decode_instance == r.decode_instance and e.completion_s <= r.arrival_s
+               and turns[e.turn].history_revision == turns[r.turn].history_revision]
+    assert sources, (r, "D reused KV of no earlier turn it served at this revision")
+    # D holds a finished turn's prompt and all but its last answer token (whose KV no step computed)
+    assert r.reused_tokens <= max(e.prompt_tokens + e.output_tokens - 1 for e in sources), r
+    assert r.reused_tokens % PROFILE.block_size == 0  # whole blocks, as vLLM's prefix cache hands them out
+    if not cfg.policy.decode_prefix_caching:  # only a retained copy can serve it
+        assert r.store_hit, r
+
+
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -152,7 +187,12 @@ def test_invariants_hold(cfg, convs):
     # no time limit here: everything that fits must finish; a sequence may be rejected only when its
     # full context (prompt + answer) needs more blocks than one decode instance has -- and then must be
     capacity_tokens = cfg.topology.decode_kv_blocks * PROFILE.block_size
+    # ... except where retained blocks never expire: pinned, they can hold the pool for ever, and the run
+    # reports the turns that waited on them as stuck rather than running for ever
+    forever = cfg.policy.retention == "ttl" and math.isinf(cfg.policy.decoder_kv_blocks_ttl)
     for r in recs:
+        if forever and r.rejected.startswith(("stuck", "not sent: the run was stuck")):
+            continue
         assert not r.rejected or r.prompt_tokens + r.output_tokens > capacity_tokens, (r.rejected, r)
         if r.prompt_tokens > capacity_tokens:
             assert r.rejected, r  # a prompt that cannot fit is refused, not left hanging or squeezed in
@@ -173,8 +213,13 @@ def test_invariants_hold(cfg, convs):
     for r in recs:
         # 5. TTFT covers the prefill (compute + pull) and the P->D transfer (a rejected turn has none)
         assert r.rejected or r.ttft_s + 1e-9 >= r.prefill_s + r.p2d_transfer_s
+        if math.isnan(r.arrival_s):  # never sent (the run was stuck): nothing computed, nothing reused
+            assert forever and r.rejected and r.reused_tokens == r.recomputed_tokens == 0
+            continue
         assert r.reused_tokens + r.recomputed_tokens + r.p_local_hit_tokens == r.prompt_tokens
-        if r.reused_tokens:
+        if r.decision == "prefill_on_d":
+            check_prefill_on_d_holds_token_for_token(cfg, r, recs, conv_of[(r.tenant, r.conversation)])
+        elif r.reused_tokens:
             # 6. no D->P transfer with bidirectional OFF
             assert cfg.policy.bidirectional and r.turn > 0
             # the read was of this tenant's conversation, started after the turn arrived, before its first token
@@ -186,13 +231,16 @@ def test_invariants_hold(cfg, convs):
             assert not by_key[(r.tenant, r.conversation, r.turn - 1)].rejected
         else:
             assert r.d2p_transfer_s == 0
-    # every granted read shows up as exactly one reusing turn
-    assert sum(len(v) for v in granted.values()) == sum(1 for r in recs if r.reused_tokens)
+    # every granted read shows up as exactly one reusing turn served through P
+    assert sum(len(v) for v in granted.values()) == sum(1 for r in recs if r.reused_tokens and r.decision != "prefill_on_d")
     # what the examples reached (--hypothesis-show-statistics)
     event(f"{cfg.policy.retention}: {'reads' if granted else 'no reads'}")
     event(f"declined reads: {sorted({refusal for *_, refusal in reads.reads if refusal})}")
     if any(r.rejected for r in recs):
         event("rejections")
+    on_d = [r for r in recs if r.decision == "prefill_on_d"]
+    if on_d:
+        event("prefill on D: " + ("reused D's copy" if any(r.reused_tokens for r in on_d) else "computed all on D"))
     if len({(c.tenant, c.conversation_id) for c in convs}) > len({c.conversation_id for c in convs}):
         event("one id under two tenants")
 
@@ -321,3 +369,21 @@ def test_a_p_that_declines_and_tells_d_frees_the_blocks_a_pinned_d_would_hold_to
     assert all(r.reused_tokens == 0 for r in telling.records if r.turn == 1)  # declined: recomputed, never read
     assert telling.summary["d_wait"]["total_s"] < holding.summary["d_wait"]["total_s"]
     assert cluster.decode[0].totals.peak_used_blocks <= 400
+
+
+def test_a_stuck_run_reports_every_turn_of_an_id_two_tenants_share():
+    # hypothesis found it: two conversations "c0" (tenants a and b); a's second turn, prefilled on D, pins the
+    # 300-block pool for ever, so b's first turn is stuck and its second never sent: that one was not
+    # reported, because the turns sent were counted per id, a's two standing for b's
+    cfg = _tight_decode("pinned", math.inf)
+    cfg.topology.decode_kv_blocks = 300
+    cfg.topology.max_num_batched_tokens = 512
+    cfg.policy.prefill_on_d = "isl_bounding"
+    convs = [Conversation("c0", 0.0, (Turn(4001, 1), Turn(4003, 1, history_revision=1)), 64, tenant="a"),
+             Conversation("c0", 0.0, (Turn(4001, 1, history_revision=100), Turn(4003, 1, history_revision=101)), 64,
+                          tenant="b")]
+    _, result = run(cfg, convs)
+    keys = sorted((r.tenant, r.turn) for r in result.records)
+    assert keys == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    rejected = {(r.tenant, r.turn): r.rejected for r in result.records}
+    assert rejected[("b", 0)].startswith("stuck") and rejected[("b", 1)].startswith("not sent")
