@@ -378,6 +378,23 @@ def _bench(source: str, data: Any) -> Bench:
     return bench
 
 
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _check_one_block_size(source: str, config: DeployConfig) -> None:
+    """KV blocks cross between P and D as they are: both must use one block size."""
+    p, d = (_flag_value(s.extra_args, "--block-size") for s in (config.prefill, config.decode))
+    if p != d:
+        raise DeployConfigError(source, "decode.extra_args", f"--block-size {d or '(vLLM default)'} differs from "
+                                f"prefill.extra_args' {p or '(vLLM default)'}: P and D must use one block size")
+
+
 def _check_addresses(source: str, config: DeployConfig) -> None:
     p, d, r = config.prefill, config.decode, config.router
     if p.host != d.host:
@@ -461,6 +478,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
                           router=router, bench=bench, base_profile=base_profile, instance=instance,
                           kubernetes=kubernetes)
     _check_addresses(source, config)
+    _check_one_block_size(source, config)
     return config
 
 

@@ -38,16 +38,25 @@ def _reference() -> dict[str, tuple[str, set[str]]]:
     return out
 
 
-def _vllm_names() -> set[str]:
-    root = Path(importlib.util.find_spec("vllm").origin).parent
-    names = set()
-    for path in root.rglob("*.py"):
-        names.update(re.findall(r"[\"'](vllm:[a-z][a-z0-9_]*)[\"']", path.read_text(errors="replace")))
-    return names
+_VLLM_ROOT = Path(importlib.util.find_spec("vllm").origin).parent
+# vLLM registers its metrics as self._counter_cls(name="vllm:...") etc. (prometheus_client's classes)
+_VLLM_TYPED = re.compile(r"_?(histogram|counter|gauge|Histogram|Counter|Gauge)(?:_cls)?\(\s*name=\"(vllm:[a-z_]+)\"")
+
+
+def _vllm_names() -> tuple[set[str], dict[str, str]]:
+    """Every vllm:... name the installed vLLM's source spells, and the type of those it registers in the
+    usual way (a name without a known type is accepted with any suffix)."""
+    names, types = set(), {}
+    for path in _VLLM_ROOT.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        names.update(re.findall(r"[\"'](vllm:[a-z][a-z0-9_]*)[\"']", text))
+        types.update({name: kind.lower() for kind, name in _VLLM_TYPED.findall(text)})
+    return names, types
 
 
 REFERENCE = _reference()
-VLLM = _vllm_names()
+VLLM, VLLM_TYPES = _vllm_names()
+SUFFIX_OF = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 SOURCES = {"bidikv": "\n".join(p.read_text() for p in (ROOT / "impl").rglob("*.py")),
            "vllm": "\n".join(p.read_text(errors="replace")
                              for p in Path(importlib.util.find_spec("vllm").origin).parent.rglob("v1/**/*.py"))}
@@ -62,7 +71,11 @@ def _exported(name: str) -> tuple[str, set[str] | None] | None:
         if base != name and REFERENCE.get(base, ("",))[0] == "histogram":
             return "bidikv", REFERENCE[base][1] | ({"le"} if suffix == "_bucket" else set())
     for suffix in ("", "_total", "_bucket", "_sum", "_count"):
-        if name.removesuffix(suffix) in VLLM:
+        if suffix and not name.endswith(suffix):
+            continue
+        base = name.removesuffix(suffix) if suffix else name
+        kind = VLLM_TYPES.get(base)
+        if base in VLLM and (kind is None or suffix in SUFFIX_OF[kind]):  # not a gauge read as a histogram
             return "vllm", None
     return None
 
@@ -118,6 +131,8 @@ def test_the_metric_inventories_are_not_empty():
     ('bidikv_router_reuse_misses_total{reasn="expired"}', "has no label 'reasn'"),
     ('bidikv_router_reuse_misses_total{reason="store_unavailble"}', "no such value in bidikv's code"),
     ("histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_tokens_seconds_bucket[5m])))", "neither"),
+    ("histogram_quantile(0.9, sum by (le) (rate(vllm:kv_cache_usage_perc_bucket[5m])))", "neither"),  # a gauge
+    ("rate(vllm:time_to_first_token_seconds_total[5m])", "neither"),  # a histogram has no _total
 ])
 def test_the_expression_check_fails_on_a_bad_expression(bad, words):
     assert any(words in p for p in expression_problems(bad)), expression_problems(bad)
