@@ -12,11 +12,26 @@ normal turns. Printed each second: normal turns served and their latency, errors
 slowloris connections are still open, the router's ``client_connections`` gauge and RSS. Run with
 the router's defaults (10 s head timeout) unless flags say otherwise.
 
-P and D are one scripted raw-asyncio upstream (cheap, so the router is what is measured), as in
-benchmarks/router_overhead.py. Run::
+``retention``: tenant B floods the learnt retention. Tenant A runs ``--a-conversations`` conversations that
+come back every 3-8 s; after ``--phase-s`` alone, tenant B sends ``--b-turns`` first turns that never
+return over the next ``--phase-s``. The router runs ``--learnt-retention-budget-tokens 400
+--learnt-retention-min-returns 5 --decoder-kv-blocks-ttl-s 3605``; D records the hold asked with each
+turn. Printed: A's holds before and during B's flood (mean, how many 0), B's, and the router's
+``held_tokens`` against the budget at the end of each phase.
+
+``listener``: a give-back D whose heartbeat listener hangs. ``--conversations`` conversations of two
+turns; the router asks D to renew each second turn before P reads it (``bidikv_renew_before_read``).
+Printed: each reuse turn's time to its answer (JSON, so the whole answer: D answers at once) and the
+renewal outcomes; ``--heartbeat-timeout-s`` 3 s is the router's default.
+
+``flood`` and ``siege``: P and D are one scripted raw-asyncio upstream (cheap, so the router is what is
+measured), as in benchmarks/router_overhead.py; ``retention`` and ``listener``: an aiohttp P/D in this
+process (what is measured there is what the router asks and how long turns wait, not its CPU). Run::
 
     .venv/bin/python benchmarks/router_hostile.py flood [--conversations 20000] [--max-store-bytes 134217728]
     .venv/bin/python benchmarks/router_hostile.py siege [--idle 2000] [--slowloris 50] [--duration 40]
+    .venv/bin/python benchmarks/router_hostile.py retention [--phase-s 40] [--b-turns 1283]
+    .venv/bin/python benchmarks/router_hostile.py listener [--conversations 12]
 """
 
 from __future__ import annotations
@@ -264,10 +279,231 @@ async def siege(router_port: int, pid: int, idle: int, slowloris: int, users: in
     return rows
 
 
+# -- retention flood and stuck listener: an aiohttp P/D in this process --------------------------
+class ScriptedPD:
+    """P and D in one aiohttp app. D records the hold the router asks for each turn (``bidikv_retention_s``)
+    with the tenant named in the conversation id; with ``give_back`` it asks to be renewed before reads and
+    posts its params to the router with a heartbeat listener, which answers at once or hangs (``stuck``)."""
+
+    def __init__(self, give_back: bool = False) -> None:
+        self.give_back = give_back
+        self.stuck = False
+        self.holds: list[tuple[float, str, float]] = []  # (when, tenant, hold asked)
+        self.renewals = 0
+        self.port = self.hb_port = 0
+        self._runners: list = []
+        self._session = None
+        self._tasks: set = set()
+
+    async def start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.Response())
+        app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": "bench"}]}))
+        app.router.add_post("/v1/chat/completions", self._completion)
+        hb = web.Application()
+        hb.router.add_post("/bidikv/heartbeat", self._heartbeat)
+        for which, application in (("port", app), ("hb_port", hb)):
+            runner = web.AppRunner(application, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            setattr(self, which, site._server.sockets[0].getsockname()[1])
+            self._runners.append(runner)
+        self._session = aiohttp.ClientSession()
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await self._session.close()
+        for runner in self._runners:
+            await runner.cleanup()
+
+    async def _completion(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        params = body.get("kv_transfer_params") or {}
+        if body.get("max_tokens") == 1 and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+            return web.json_response({
+                "id": "p", "object": "chat.completion", "model": "bench",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 8, "completion_tokens": 1},
+                "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+                                       "remote_engine_id": "P", "remote_request_id": f"p-{next(_REQUEST_IDS)}",
+                                       "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 8}})
+        tenant = str(body.get("messages", [{}])[0].get("content", "?"))[1:2]  # "[A-3] ..." -> "A"
+        if "bidikv_retention_s" in params:
+            self.holds.append((time.monotonic(), tenant, float(params["bidikv_retention_s"])))
+        n = next(_REQUEST_IDS)
+        d_params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8]],
+                    "remote_engine_id": "D", "remote_request_id": f"d-{n}", "remote_host": "127.0.0.1",
+                    "remote_port": 5700, "tp_size": 1, "remote_num_tokens": 10,
+                    "remote_blocks_expiry_time": time.perf_counter() + (15.0 if self.give_back else 3605.0)}
+        if self.give_back:
+            d_params["bidikv_renew_before_read"] = True
+            spec = params.get("bidikv_notify")
+            if spec:
+                task = asyncio.get_running_loop().create_task(self._notify(spec, d_params))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        answer = {"id": "d", "object": "chat.completion", "model": "bench",
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                  "usage": {"prompt_tokens": 8, "completion_tokens": 2, "total_tokens": 10}}
+        if not self.give_back:  # vLLM 0.33 puts them in the body; the 0.32 path (give-back) only notifies
+            answer["kv_transfer_params"] = d_params
+        return web.json_response(answer)
+
+    async def _notify(self, spec: dict, d_params: dict) -> None:
+        payload = {"turn": spec["turn"], "token": spec["token"], "kv_transfer_params": d_params, "expires_in_s": 480.0,
+                   "heartbeat_url": f"http://127.0.0.1:{self.hb_port}/bidikv/heartbeat"}
+        async with self._session.post(spec["url"], json=payload) as r:
+            await r.read()
+
+    async def _heartbeat(self, request):
+        from aiohttp import web
+
+        await request.read()
+        self.renewals += 1
+        if self.stuck:
+            await asyncio.sleep(60.0)
+        return web.json_response({"status": "held", "renewed": True, "retention": "ttl",
+                                  "expiry_time": time.perf_counter() + 15.0, "expires_in_s": 480.0})
+
+
+async def _chat(client, path_key: str | None, cid: str, messages: list) -> tuple[float, int, dict]:
+    import aiohttp  # noqa: F401
+
+    body = {"model": "bench", "messages": messages, "max_tokens": 4, "stream": False, "conversation_id": cid}
+    headers = {"Authorization": f"Bearer {path_key}"} if path_key else {}
+    t0 = time.perf_counter()
+    async with client.post("/v1/chat/completions", json=body, headers=headers) as r:
+        await r.read()
+        return time.perf_counter() - t0, r.status, dict(r.headers)
+
+
+def _hold_summary(holds: list[float]) -> dict:
+    return {"turns": len(holds), "mean_hold_s": round(statistics.mean(holds), 1) if holds else None,
+            "held_0_s": sum(h == 0.0 for h in holds)}
+
+
+async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_turns: int, phase_s: float) -> dict:
+    import random
+
+    import aiohttp
+
+    rng = random.Random(49)
+    metrics: dict[str, dict] = {}
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{router_port}") as client:
+        t0 = time.monotonic()
+        end = t0 + 2 * phase_s
+
+        async def tenant_a(c: int) -> None:
+            messages = [{"role": "user", "content": f"[A-{c}] first"}]
+            while time.monotonic() < end:
+                _, status, _ = await _chat(client, "key-a", f"A-{c}", messages)
+                messages = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+                await asyncio.sleep(rng.uniform(3.0, 8.0))
+
+        async def tenant_b() -> None:
+            await asyncio.sleep(phase_s)
+            gap = phase_s / b_turns
+            for i in range(b_turns):
+                await _chat(client, "key-b", f"B-{i}", [{"role": "user", "content": f"[B-{i}] never again"}])
+                await asyncio.sleep(gap)
+
+        async def sample() -> None:
+            for phase in ("alone", "flood"):
+                await asyncio.sleep(phase_s - 0.5 if phase == "alone" else phase_s)
+                m = await scrape(router_port)
+                metrics[phase] = {k.split("figure=")[1].strip('"}'): v for k, v in m.items()
+                                  if k.startswith("bidikv_router_learnt_retention{")}
+
+        await asyncio.gather(*(tenant_a(c) for c in range(a_conversations)), tenant_b(), sample())
+    split = t0 + phase_s
+    a_alone = [h for t, who, h in pd.holds if who == "A" and t < split]
+    a_flood = [h for t, who, h in pd.holds if who == "A" and t >= split]
+    b = [h for t, who, h in pd.holds if who == "B"]
+    return {"summary": "retention", "a_alone": _hold_summary(a_alone), "a_during_flood": _hold_summary(a_flood),
+            "b_flood": _hold_summary(b), "router_figures_end_of_alone": metrics.get("alone"),
+            "router_figures_end_of_flood": metrics.get("flood")}
+
+
+async def listener(router_port: int, pd: ScriptedPD, conversations: int) -> dict:
+    import aiohttp
+
+    times, statuses = [], []
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{router_port}") as client:
+        for c in range(conversations):
+            first = [{"role": "user", "content": f"[L-{c}] first"}]
+            await _chat(client, None, f"L-{c}", first)
+            await asyncio.sleep(0.3)  # D's notification lands
+            pd.stuck = True
+            took, status, headers = await _chat(client, None, f"L-{c}", first + [
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])
+            pd.stuck = False
+            times.append(took)
+            statuses.append((status, headers.get("X-Bidikv-Reuse-Offered-Tokens")))
+            print(json.dumps({"conversation": c, "reuse_turn_s": round(took, 3), "status": status,
+                              "offered_tokens": headers.get("X-Bidikv-Reuse-Offered-Tokens")}), flush=True)
+        m = await scrape(router_port)
+    outcomes = {k.split('outcome="')[1].rstrip('"}'): int(v) for k, v in m.items()
+                if k.startswith("bidikv_router_give_back_renewals_total{")}
+    return {"summary": "listener", "reuse_turns": len(times), "reuse_turn_s_mean": round(statistics.mean(times), 3),
+            "reuse_turn_s_max": round(max(times), 3), "reuse_turns_over_1s": sum(t > 1.0 for t in times),
+            "renewal_outcomes": outcomes, "listener_requests": pd.renewals}
+
+
+def run_in_process(mode: str, args: argparse.Namespace) -> None:
+    router_port = free_port()
+
+    async def main() -> dict:
+        pd = ScriptedPD(give_back=mode == "listener")
+        await pd.start()
+        extra = args.router_args.split()
+        if mode == "retention":
+            flags = ["--learnt-retention-budget-tokens", "400", "--learnt-retention-min-returns", "5",
+                     "--decoder-kv-blocks-ttl-s", "3605", "--open-metrics", *extra]
+        else:
+            flags = [*extra]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), BIDIKV_API_KEYS="tenantA=key-a,tenantB=key-b")
+        if mode == "listener":
+            env.pop("BIDIKV_API_KEYS")
+        cmd = [sys.executable, "-m", "impl.router", "--prefill", f"http://127.0.0.1:{pd.port}", "--decode",
+               f"http://127.0.0.1:{pd.port}", "--host", "127.0.0.1", "--port", str(router_port), "--log-level", "warning",
+               "--health-interval-s", "5", *flags]
+        if mode == "retention":
+            cmd.append("--no-notify")
+        router = subprocess.Popen(cmd, env=env, cwd=ROOT)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, wait_http, router_port)
+            print(f"# {mode}: router flags {flags}, load {os.getloadavg()[0]:.2f}", flush=True)
+            if mode == "retention":
+                return await retention(router_port, pd, args.a_conversations, args.b_turns, args.phase_s)
+            return await listener(router_port, pd, args.conversations)
+        finally:
+            router.send_signal(signal.SIGTERM)
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+            await pd.stop()
+
+    result = asyncio.run(main())
+    result["load_1min_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["flood", "siege"])
-    ap.add_argument("--conversations", type=int, default=20_000, help="flood: conversations (one turn each)")
+    ap.add_argument("mode", choices=["flood", "siege", "retention", "listener"])
+    ap.add_argument("--conversations", type=int, default=None,
+                    help="flood: conversations, one turn each (default 20000); listener: two-turn conversations (12)")
+    ap.add_argument("--a-conversations", type=int, default=8, help="retention: tenant A's returning conversations")
+    ap.add_argument("--b-turns", type=int, default=1283, help="retention: tenant B's first turns that never return")
+    ap.add_argument("--phase-s", type=float, default=40.0, help="retention: seconds of A alone, then of B's flood")
     ap.add_argument("--blocks", type=int, default=None,
                     help="block ids in each of D's answers (default: 8000 -- a 128k-token context -- for flood, 16 for "
                          "siege, whose RSS is then the connections' and not the store's)")
@@ -284,8 +520,13 @@ def main() -> int:
     ap.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.conversations is None:
+        args.conversations = 20_000 if args.mode == "flood" else 12
     if args.blocks is None:
         args.blocks = 8000 if args.mode == "flood" else 16
+    if args.mode in ("retention", "listener") and not args.upstream:
+        run_in_process(args.mode, args)
+        return 0
     if args.upstream:
         run_upstream(args.port, args.blocks, args.contiguous)
         return 0

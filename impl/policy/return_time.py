@@ -40,7 +40,7 @@ import collections
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 # Bin edges of the gap (seconds from a turn's finish to its conversation's next arrival): finer where
 # most returns fall (Mooncake: p10 42 s, p50 126 s, p90 480 s), and the last edge is the longest hold
@@ -401,7 +401,7 @@ class LearntRetention:
 
     __slots__ = ("settings", "estimator", "price", "correction", "_planned", "_window", "_since_refresh", "_plans",
                  "_held_now", "_held_integral", "_held_clock", "_held_open", "_held_expiries", "_held_seq",
-                 "_refreshed_at", "_integral_at_refresh", "_mix")
+                 "_refreshed_at", "_integral_at_refresh", "_mix", "budget_for", "free_held", "_window_size")
 
     def __init__(self, settings: LearntRetentionSettings | None = None) -> None:
         self.settings = settings = settings or LearntRetentionSettings()
@@ -426,6 +426,11 @@ class LearntRetention:
         self._held_seq = 0
         self._refreshed_at = math.nan
         self._integral_at_refresh = 0.0
+        # the budget to price against, given the retained KV the plans would keep at price 0 and the time
+        # (None: settings.budget_size); impl.policy.tenant_shares gives each tenant its share through it
+        self.budget_for: Callable[[float, float], float] | None = None
+        self.free_held = math.nan  # the retained KV the plans would keep at price 0, at the last price setting
+        self._window_size = 0.0  # the sizes in _window, summed
 
     def arrived(self, tenant: Hashable, returning_key: Hashable | None, turn_index: int,
                 now: float) -> tuple[Hold, Hashable]:
@@ -453,7 +458,11 @@ class LearntRetention:
         self._ledger_advance(now)
         self.estimator.finished(key, tenant, group, now)
         size = float(size) if size > 0 else 0.0
-        self._window.append((tenant, group, size, now))
+        window = self._window
+        if len(window) == window.maxlen:
+            self._window_size -= window[0][2]
+        window.append((tenant, group, size, now))
+        self._window_size += size
         old = self._held_open.pop(key, None)
         if old is not None:  # a later turn under the same key replaces the earlier one's blocks on D
             self._held_now -= old[0]
@@ -487,6 +496,14 @@ class LearntRetention:
     def held_now(self) -> float:
         """What the policy has asked D to hold and is, by its own account, still held."""
         return max(self._held_now, 0.0)
+
+    def token_rate(self, now: float, min_span_s: float) -> float:
+        """The KV its recent turns left, per second: their sizes over the time since the oldest of them
+        finished (at least ``min_span_s``, so two turns in one instant are not an infinite rate)."""
+        window = self._window
+        if not window:
+            return 0.0
+        return max(self._window_size, 0.0) / max(now - window[0][3], min_span_s)
 
     def hold(self, tenant: Hashable, group: Hashable) -> Hold:
         s = self.settings
@@ -559,8 +576,9 @@ class LearntRetention:
         def held(price: float) -> float:
             return sum(b * self._plan(estimates[tg], price).expected_hold_s for tg, b in blocks_by_group.items()) / span
 
-        budget = self.settings.budget_size / (self.correction if self.correction > 0 else 1.0)
-        free = held(0.0)
+        free = self.free_held = held(0.0)
+        size = self.settings.budget_size if self.budget_for is None else self.budget_for(free, now)
+        budget = size / (self.correction if self.correction > 0 else 1.0)
         if free <= budget:
             self.price, self._planned = 0.0, free
             return

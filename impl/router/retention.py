@@ -12,6 +12,9 @@ since its conversation's previous turn ended. The returning key is the key the t
 under: the one its previous turn was stored under when the client resent the history or named the
 conversation.
 
+Tenants share the budget fairly (:mod:`impl.policy.tenant_shares`): each is priced against what the
+others leave it, and a tenant still on the fallback hold is held only as long as its share allows.
+
 One process's view: replicas behind a load balancer that spreads a conversation's turns over them each
 see only the returns that come back to them, so each underestimates the return chance (a longer hold is
 never asked for than the fleet's true figures would justify, a shorter one may be). Pin conversations to
@@ -26,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Hashable
 
-from impl.policy.return_time import Hold, LearntRetention, LearntRetentionSettings
+from impl.policy.return_time import Hold, LearntRetentionSettings
+from impl.policy.tenant_shares import TenantShares
 
 if TYPE_CHECKING:
     from impl.router.metrics import RouterMetrics
@@ -49,7 +53,9 @@ class LearntTurn:
 class RouterRetention:
     def __init__(self, settings: LearntRetentionSettings, metrics: "RouterMetrics", clock: Callable[[], float],
                  max_entries: int, d_ttl_s: float) -> None:
-        self.policy = LearntRetention(settings)
+        # a policy per tenant within its fair share of the budget: one tenant's flood (turns that never
+        # return stay on the fallback hold) cannot take another's retention (impl.policy.tenant_shares)
+        self.policy = TenantShares(settings)
         self.d_ttl_s = d_ttl_s  # D keeps no turn longer, whatever it is asked
         self.metrics = metrics
         self.clock = clock

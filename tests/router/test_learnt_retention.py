@@ -65,7 +65,9 @@ async def test_a_budget_too_small_for_any_hold_asks_d_to_keep_nothing():
     async with Deployment(learnt_retention_budget_tokens=1, learnt_retention_min_returns=1) as dep:
         await _conversations(dep, 3, 2)
         holds = [b["kv_transfer_params"][RETENTION_KEY] for b in dep.d.decode_requests()]
-    assert holds[:2] == [480.0, 480.0] and holds[2:] == [0.0] * 4
+    # fallback holds count against the budget: only the very first turn, before any rate is known, gets D's
+    # TTL; the second is held as long as 1 token of budget allows its ~100-token turns (impl.policy.tenant_shares)
+    assert holds[0] == 480.0 and 0 < holds[1] < 1.0 and holds[2:] == [0.0] * 4
 
 
 @pytest.mark.parametrize("field, value", [("learnt_retention_budget_tokens", -1.0),
@@ -74,3 +76,23 @@ async def test_a_budget_too_small_for_any_hold_asks_d_to_keep_nothing():
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**{field: value})
+
+
+async def test_a_tenants_flood_of_turns_that_never_return_is_held_within_its_share_not_on_ds_ttl():
+    """Tenant B's first turns that never return used to keep the fallback hold (D's TTL) outside the
+    budget; now they count against B's share (impl.policy.tenant_shares) and A's first turn is untouched."""
+    keys = {"tenantA": "key-a", "tenantB": "key-b"}
+    async with Deployment(keys=keys, learnt_retention_budget_tokens=400, learnt_retention_min_returns=5,
+                          decoder_kv_blocks_ttl_s=3605) as dep:
+        for i in range(30):
+            r = await dep.chat([user(f"B flood {i}")], key="key-b")
+            assert r.status == 200
+        await dep.settle()
+        a = await dep.chat([user("A first")], key="key-a")
+        assert a.status == 200
+        holds = [b["kv_transfer_params"][RETENTION_KEY] for b in dep.d.decode_requests()]
+    b_holds, a_hold = holds[:30], holds[30]
+    assert b_holds[0] == 480.0 and max(b_holds[1:]) < 480.0 / 4  # B's rate is known from its second turn on
+    assert a_hold == 480.0  # A's fallback, whatever B sent
+    # what B's holds keep on average (tokens x seconds over the flood's rate) is its share, not 30 TTLs
+    assert sum(b_holds[1:]) < 0.05 * 29 * 480.0
