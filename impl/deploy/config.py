@@ -472,7 +472,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
 
     kubernetes = None
     if "kubernetes" in data:
-        kubernetes = parse_kubernetes(_Table(source, "kubernetes", data["kubernetes"]))
+        kubernetes = parse_kubernetes(_Table(source, "kubernetes", data["kubernetes"]), instance.name)
     config = DeployConfig(source=source, workdir=workdir, python=python, model=model, prefill=prefill,
                           decode=decode, transfer=transfer, connector=connector, connector_settings=settings,
                           router=router, bench=bench, base_profile=base_profile, instance=instance,

@@ -284,6 +284,7 @@ def _server_problems(templates: list[_Template]) -> Iterator[str]:
             yield (f"{where}: --tensor-parallel-size {tp} does not fit: the pod requests {gpus} {GPU} over {nnodes} "
                    f"pod(s) of its group, {gpus * nnodes} GPUs")
         instance_type = (t.spec.get("nodeSelector", {}) or {}).get(INSTANCE_TYPE_LABEL)
+        instance_type = instance_type.removeprefix("ml.") if isinstance(instance_type, str) else None  # HyperPod
         if instance_type not in by_type:
             yield (f"{t.name()}: spec.nodeSelector must pin {INSTANCE_TYPE_LABEL} to a known instance type "
                    f"({', '.join(PRESETS.values())}), got {instance_type!r}")

@@ -47,11 +47,13 @@ class KubernetesSettings:
     router_cpu: str
     router_memory: str
     model_cache: str  # node path holding the Hugging Face cache; "" = an emptyDir per pod
+    node_instance_type: str  # the nodes' node.kubernetes.io/instance-type; "" = deploy.instance_type
     monitoring: bool  # ServiceMonitors, PrometheusRule, Grafana dashboard ConfigMap
 
 
-def parse_kubernetes(table: Any) -> KubernetesSettings:
-    """``table`` is a :class:`impl.deploy.config._Table` over ``[kubernetes]`` (its getters name the key)."""
+def parse_kubernetes(table: Any, instance_type: str) -> KubernetesSettings:
+    """``table`` is a :class:`impl.deploy.config._Table` over ``[kubernetes]`` (its getters name the key);
+    ``instance_type`` is ``deploy.instance_type`` resolved (``p5en.48xlarge``)."""
     t = table
 
     def name(key: str, default: str) -> str:
@@ -94,6 +96,7 @@ def parse_kubernetes(table: Any) -> KubernetesSettings:
         router_cpu=quantity("router_cpu", "2"),
         router_memory=quantity("router_memory", "4Gi"),
         model_cache=t.text("model_cache", "", allow_empty=True).strip(),
+        node_instance_type=t.text("node_instance_type", "", allow_empty=True).strip(),
         monitoring=t.boolean("monitoring", True),
     )
     if settings.image_pull_policy not in PULL_POLICIES:
@@ -115,6 +118,10 @@ def parse_kubernetes(table: Any) -> KubernetesSettings:
                                   "(BIDIKV_STORE_PASSWORD when rendering)")
     if settings.storage_class and not _NAME.match(settings.storage_class):
         raise t.fail("storage_class", f"must be a StorageClass name, got {settings.storage_class!r}")
+    if settings.node_instance_type and settings.node_instance_type.removeprefix("ml.") != instance_type:
+        raise t.fail("node_instance_type", f"must be deploy.instance_type ({instance_type}) as the nodes are labelled "
+                                           f"with it (SageMaker HyperPod: ml.{instance_type}), got "
+                                           f"{settings.node_instance_type!r}")
     if settings.model_cache and not settings.model_cache.startswith("/"):
         raise t.fail("model_cache", f"must be an absolute path on the node (or \"\" for an emptyDir), got "
                                     f"{settings.model_cache!r}")

@@ -298,7 +298,7 @@ def _server_pod(config: DeployConfig, role: str, mode: str, secrets: dict[str, s
         labels[LWS_ROLE_LABEL] = lws
     volumes, _ = _server_volumes(k)
     spec: dict[str, Any] = {
-        "nodeSelector": {INSTANCE_TYPE_LABEL: config.instance.name},
+        "nodeSelector": {INSTANCE_TYPE_LABEL: k.node_instance_type or config.instance.name},
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "terminationGracePeriodSeconds": 60,
         "containers": [_server_container(config, role, mode, secrets, lws=lws)],

@@ -166,6 +166,13 @@ def test_the_rendered_commands_parse_with_the_installed_vllm_and_the_router():
         assert config.store.startswith("redis://bidikv-store-0.") and len(config.decode) == CONFIGS[shape]["decode"]
 
 
+def test_hyperpod_nodes_are_selected_by_their_ml_instance_type():
+    objects = render(k8s_sample(node_instance_type="ml.p5en.48xlarge")).objects
+    pod = by(objects, "StatefulSet", "bidikv-decode")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5en.48xlarge"}
+    assert consistency_problems(objects) == []  # the checker finds the p5en preset behind the ml. prefix
+
+
 def test_lease_heartbeat_port_is_exposed_on_d():
     config = k8s_sample()
     config["connector"].update(bidikv_retention="lease", bidikv_heartbeat_port=5700)
@@ -257,6 +264,7 @@ BAD = [
     (_k("image", "my image"), "kubernetes.image", "container image"),
     (_k("image_pull_policy", "Sometimes"), "kubernetes.image_pull_policy", "IfNotPresent"),
     (_k("model_cache", "relative/path"), "kubernetes.model_cache", "absolute path"),
+    (_k("node_instance_type", "p5.48xlarge"), "kubernetes.node_instance_type", "must be deploy.instance_type"),
     (lambda c: c["kubernetes"].pop("image"), "kubernetes.image", "required"),
     (lambda c: c["model"].update(tensor_parallel_size=12), "model.tensor_parallel_size", "not a multiple of 8"),
 ]
