@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
                    help="also evaluate the learnt per-turn retention (the router's --learnt-retention-budget-tokens: "
                         "each turn held as long as its estimated return is worth, from the returns the router sees), "
                         "its budget the --max-retained-hbm-pct, nothing tuned, at each threshold (default: %(default)s)")
+    from sim.tune.design_cli import add_design_flags
+
+    add_design_flags(p)
     o = p.add_argument_group("objective")
     o.add_argument("--objective", default="ttft_p90", choices=("ttft_p50", "ttft_p90", "ttft_p99", "compute"),
                    help="what to minimise (default: %(default)s)")
@@ -116,8 +119,25 @@ def _list(text: str, name: str) -> list[float]:
     return parse_floats(text, name) if text.strip() else []
 
 
-def run(args: argparse.Namespace) -> int:
+def thresholds_of(args: argparse.Namespace) -> list[str]:
+    return [t.strip() for t in args.thresholds.split(",") if t.strip()]
+
+
+def decode_memory(args: argparse.Namespace, config: Any) -> tuple[Any, int, float, int]:
+    """(profile, KV blocks per decode instance, decode KV GB in all, decode KV tokens in all); sets the
+    config's decode blocks from --decode-hbm-gb when given."""
     from calibration.profile import LatencyProfile
+
+    profile = LatencyProfile.load(config.profile)
+    block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
+    if args.decode_hbm_gb is not None:
+        config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
+    decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
+    return (profile, decode_blocks, decode_blocks * block_gb * config.topology.num_decode,
+            decode_blocks * profile.block_size * config.topology.num_decode)
+
+
+def run(args: argparse.Namespace) -> int:
     from sim.cli import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
     from sim.tune.executor import Runs
     from sim.tune.grid import REFERENCES, build_grid
@@ -127,22 +147,20 @@ def run(args: argparse.Namespace) -> int:
     from sim.tune.screen import TurnTable, screener
 
     check_args(args)
+    if args.designs is not None:
+        from sim.tune.design_cli import run_designs
+
+        return run_designs(args)
     runs = Runs(args.executor, args.workers, args.progress)
     config = config_from_args(args)
-    thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
+    thresholds = thresholds_of(args)
     modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
     grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"),
                       modes, args.max_retained_hbm_pct if args.learnt else None)
     plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
     conversations = load_conversations(config)
     workload = describe_workload(config, conversations)
-    profile = LatencyProfile.load(config.profile)
-    block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
-    if args.decode_hbm_gb is not None:
-        config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
-    decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
-    decode_hbm_gb = decode_blocks * block_gb * config.topology.num_decode
-    decode_kv_tokens = decode_blocks * profile.block_size * config.topology.num_decode
+    profile, decode_blocks, decode_hbm_gb, decode_kv_tokens = decode_memory(args, config)
     candidates = [*grid, *REFERENCES]
     # the workers simulate what the screen cannot spare while this process screens (config is final here)
     configs, overrides, _ = sweep_jobs(config, candidates)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from sim.cluster import without_cyclic_gc
 from sim.config import SimConfig
-from sim.records import fields_of
+from sim.records import fields_of, percentile
 from sim.runner import run_config
 from sim.workload import load_workload
 from sim.workload.model import Conversation
@@ -35,16 +35,25 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
     s = result.summary
     # the completed turns' TTFTs and total queueing, from the table's columns (no record built)
     ttfts: list[float] = []
+    tpots: list[float] = []  # sim.records.TurnRecord.tpot_s of the turns with two output tokens or more
     queued = 0  # a left fold from the int 0 in record order: what sum() over the records computed
-    for rejected, ttft_s, p_queue_s, d_queue_s in fields_of(result.records, "rejected", "ttft_s", "p_queue_s",
-                                                            "d_queue_s"):
+    for rejected, ttft_s, p_queue_s, d_queue_s, arrival_s, completion_s, output_tokens in fields_of(
+            result.records, "rejected", "ttft_s", "p_queue_s", "d_queue_s", "arrival_s", "completion_s", "output_tokens"):
         if not rejected:
             ttfts.append(ttft_s)
             queued += p_queue_s + d_queue_s
+            if output_tokens > 1:
+                tpots.append((completion_s - arrival_s - ttft_s) / (output_tokens - 1))
     ttfts.sort()
+    tpots.sort()
     return {
         "ttft_p50_ms": s["ttft"]["p50_ms"], "ttft_p90_ms": s["ttft"]["p90_ms"], "ttft_p99_ms": s["ttft"]["p99_ms"],
         "ttft_mean_ms": s["ttft"]["mean_ms"],
+        # time per output token after the first: what the other sequences on a D pay for work D takes on
+        # (None when no turn has two output tokens: NaN would make equal runs' figures compare unequal)
+        "tpot_p50_ms": percentile(tpots, 50) * 1e3 if tpots else None,
+        "tpot_p90_ms": percentile(tpots, 90) * 1e3 if tpots else None,
+        "bytes_moved": s["bytes_moved"],  # over the NICs, both directions, every transfer
         "tokens_recomputed": s["tokens_recomputed"], "tokens_reused": s["tokens_reused"],
         # D's tokens the router offered, P verified equal to its prompt's ids, and P pulled
         "tokens_offered": s["tokens_offered"], "tokens_verified": s["tokens_verified"], "tokens_pulled": s["tokens_pulled"],

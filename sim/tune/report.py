@@ -182,7 +182,6 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
     if chosen is None:
         return "no configuration meets the HBM budget: raise --max-retained-hbm-pct or decode memory"
     s = vllm_settings(chosen, profile_name, topology, decode_kv_tokens)
-    toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s["deploy_connector"].items())
     bound = chosen.compute_saving_pct_of_bound
     of_bound = ("" if bound is None or math.isnan(bound)  # the caller gave no bound: say nothing of it
                 else f"{bound:.1f} % of the most compute any configuration can save; ")
@@ -190,6 +189,14 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
         f"recommended: {chosen.candidate.label}  ({chosen.compute_saving_pct_of_oracle:.1f} % of the oracle's compute "
         f"saving, {chosen.ttft_saving_pct_of_oracle:.1f} % of its TTFT saving -- a clairvoyant reference, not a bound; "
         f"{of_bound}{chosen.hbm_vs_default:.2f}x the retained HBM*s of vLLM's default)",
+        *paste_lines(s, chosen.metrics)])
+
+
+def paste_lines(s: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+    """What to paste for ``s`` (:func:`vllm_settings`'s dict): both servers' --kv-transfer-config, the router
+    command, the deploy recipe's keys; and the reuse the simulation saw (``metrics``)."""
+    toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s["deploy_connector"].items())
+    return [
         f"  prefill: vllm serve ... --kv-transfer-config '{json.dumps(s['prefill_kv_transfer_config'])}'",
         f"  decode:  vllm serve ... --kv-transfer-config '{json.dumps(s['decode_kv_transfer_config'])}'",
         f"  router:  {s['router_command']}   (P0.., D0..: your instances' addresses)",
@@ -201,8 +208,8 @@ def recommendation_text(chosen: Point | None, profile_name: str = "<profile name
         + f"; run its scripts with --mode {s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
         *([f"  reuse:   D's tokens offered {m['tokens_offered']:,}, verified {m['tokens_verified']:,} (equal to the "
-           f"prompt's token ids), pulled {m['tokens_pulled']:,}"] if (m := chosen.metrics).get("tokens_offered") else []),
-    ])
+           f"prompt's token ids), pulled {m['tokens_pulled']:,}"] if (m := metrics).get("tokens_offered") else []),
+    ]
 
 
 def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
