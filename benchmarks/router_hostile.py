@@ -13,8 +13,9 @@ slowloris connections are still open, the router's ``client_connections`` gauge 
 the router's defaults (10 s head timeout) unless flags say otherwise.
 
 ``retention``: tenant B floods the learnt retention. Tenant A runs ``--a-conversations`` conversations that
-come back every 3-8 s; after ``--phase-s`` alone, tenant B sends ``--b-turns`` first turns that never
-return over the next ``--phase-s``. The router runs ``--learnt-retention-budget-tokens 400
+come back every 3-8 s; after ``--warmup-s`` (A's holds are learnt: its price is re-set every 60 s) and
+``--phase-s`` more alone, tenant B sends ``--b-turns`` first turns that never return over the next
+``--phase-s``. The router runs ``--learnt-retention-budget-tokens 400
 --learnt-retention-min-returns 5 --decoder-kv-blocks-ttl-s 3605``; D records the hold asked with each
 turn. Printed: A's holds before and during B's flood (mean, how many 0), B's, and the router's
 ``held_tokens`` against the budget at the end of each phase.
@@ -30,7 +31,7 @@ process (what is measured there is what the router asks and how long turns wait,
 
     .venv/bin/python benchmarks/router_hostile.py flood [--conversations 20000] [--max-store-bytes 134217728]
     .venv/bin/python benchmarks/router_hostile.py siege [--idle 2000] [--slowloris 50] [--duration 40]
-    .venv/bin/python benchmarks/router_hostile.py retention [--phase-s 40] [--b-turns 1283]
+    .venv/bin/python benchmarks/router_hostile.py retention [--warmup-s 120] [--phase-s 60] [--b-turns 1283]
     .venv/bin/python benchmarks/router_hostile.py listener [--conversations 12]
 """
 
@@ -389,7 +390,8 @@ def _hold_summary(holds: list[float]) -> dict:
             "held_0_s": sum(h == 0.0 for h in holds)}
 
 
-async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_turns: int, phase_s: float) -> dict:
+async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_turns: int, phase_s: float,
+                    warmup_s: float) -> dict:
     import random
 
     import aiohttp
@@ -397,7 +399,7 @@ async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_tu
     rng = random.Random(49)
     metrics: dict[str, dict] = {}
     async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{router_port}") as client:
-        t0 = time.monotonic()
+        t0 = time.monotonic() + warmup_s  # the measured phases start here
         end = t0 + 2 * phase_s
 
         async def tenant_a(c: int) -> None:
@@ -408,7 +410,7 @@ async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_tu
                 await asyncio.sleep(rng.uniform(3.0, 8.0))
 
         async def tenant_b() -> None:
-            await asyncio.sleep(phase_s)
+            await asyncio.sleep(warmup_s + phase_s)
             gap = phase_s / b_turns
             for i in range(b_turns):
                 await _chat(client, "key-b", f"B-{i}", [{"role": "user", "content": f"[B-{i}] never again"}])
@@ -416,14 +418,14 @@ async def retention(router_port: int, pd: ScriptedPD, a_conversations: int, b_tu
 
         async def sample() -> None:
             for phase in ("alone", "flood"):
-                await asyncio.sleep(phase_s - 0.5 if phase == "alone" else phase_s)
+                await asyncio.sleep(warmup_s + phase_s - 0.5 if phase == "alone" else phase_s)
                 m = await scrape(router_port)
                 metrics[phase] = {k.split("figure=")[1].strip('"}'): v for k, v in m.items()
                                   if k.startswith("bidikv_router_learnt_retention{")}
 
         await asyncio.gather(*(tenant_a(c) for c in range(a_conversations)), tenant_b(), sample())
     split = t0 + phase_s
-    a_alone = [h for t, who, h in pd.holds if who == "A" and t < split]
+    a_alone = [h for t, who, h in pd.holds if who == "A" and t0 <= t < split]
     a_flood = [h for t, who, h in pd.holds if who == "A" and t >= split]
     b = [h for t, who, h in pd.holds if who == "B"]
     return {"summary": "retention", "a_alone": _hold_summary(a_alone), "a_during_flood": _hold_summary(a_flood),
@@ -481,7 +483,7 @@ def run_in_process(mode: str, args: argparse.Namespace) -> None:
             await asyncio.get_running_loop().run_in_executor(None, wait_http, router_port)
             print(f"# {mode}: router flags {flags}, load {os.getloadavg()[0]:.2f}", flush=True)
             if mode == "retention":
-                return await retention(router_port, pd, args.a_conversations, args.b_turns, args.phase_s)
+                return await retention(router_port, pd, args.a_conversations, args.b_turns, args.phase_s, args.warmup_s)
             return await listener(router_port, pd, args.conversations)
         finally:
             router.send_signal(signal.SIGTERM)
@@ -503,7 +505,8 @@ def main() -> int:
                     help="flood: conversations, one turn each (default 20000); listener: two-turn conversations (12)")
     ap.add_argument("--a-conversations", type=int, default=8, help="retention: tenant A's returning conversations")
     ap.add_argument("--b-turns", type=int, default=1283, help="retention: tenant B's first turns that never return")
-    ap.add_argument("--phase-s", type=float, default=40.0, help="retention: seconds of A alone, then of B's flood")
+    ap.add_argument("--phase-s", type=float, default=60.0, help="retention: seconds of A alone, then of B's flood")
+    ap.add_argument("--warmup-s", type=float, default=120.0, help="retention: seconds of A alone before the measured ones")
     ap.add_argument("--blocks", type=int, default=None,
                     help="block ids in each of D's answers (default: 8000 -- a 128k-token context -- for flood, 16 for "
                          "siege, whose RSS is then the connections' and not the store's)")

@@ -27,12 +27,18 @@ what disagrees, never serves other KV. The lookup costs at most ``max_candidates
 digests are one pass over the history (:class:`~impl.policy.continuation.RunningDigest`).
 
 Completions (``/v1/completions``) have no message boundaries: the held sequence (prompt + answer, as
-code points or token ids) is anchored at its length rounded down to a multiple of ``chunk`` units,
-and a new prompt of ``n`` units tries the anchors at or below ``n``, the longest first. The entry
-found then carries the exact held length and digest, checked by the store's guard (the held
-sequence's prefix check). An answer plus a new user text longer than ``chunk * max_candidates`` units
-is not found (the next turn recomputes); two held sequences that share the anchored prefix (a
-regenerated answer) keep the later one.
+code points or token ids) of ``n`` units is stored under its *exact* key, the digest of all ``n``
+units, and its length is added to the *directory* of its anchor -- its length rounded down to a
+multiple of ``chunk`` units -- which lists the lengths of the held sequences stored beneath it. A new
+prompt of ``m`` units reads the directories of the anchors at or below ``m``, the longest first, and
+tries the exact keys of its own prefixes of the lengths listed there (at most ``max_lengths`` per
+directory, the most recently stored first). So conversations that share a long few-shot or system
+prefix -- whose anchors all fall inside it -- are told apart by what follows it, the earlier answer
+included: each finds only the held sequence its own prompt continues. What still collides: two held
+sequences that are equal as a whole (a regenerated answer identical to the first: the later one is
+kept), and more than ``max_lengths`` different lengths under one anchor between two turns of a
+conversation (the oldest length is forgotten: that turn recomputes). An answer plus a new user text
+longer than ``chunk * max_candidates`` units is not found (the next turn recomputes).
 
 A history entry is single-use: P's read frees D's blocks (vLLM's ``request_finished`` delays the free
 only until the read completes), so the router takes the entry it offers instead of leaving it for a
@@ -54,6 +60,10 @@ HISTORY_PREFIX = "\x00h:"
 TEXT_PREFIX = "\x00t"
 TOKENS_PREFIX = "\x00i"
 DEFAULT_MAX_CANDIDATES = 8
+# A completion anchor's directory: its key is the anchor's + this; it lists held lengths under ANCHOR_LENGTHS_KEY
+DIRECTORY_SUFFIX = "\x00d"
+ANCHOR_LENGTHS_KEY = "bidikv_anchor_lengths"
+DEFAULT_MAX_LENGTHS = 8
 # Anchor spacing for completions: 8 candidates reach 2,048 code points / 512 tokens back from the end
 # of a prompt, which covers an answer plus the next user turn of a typical completion-style chat.
 DEFAULT_TEXT_CHUNK = 256
@@ -183,12 +193,37 @@ class PrefixAnchors:
         return [keys[n] for n in lengths]
 
     def candidates(self, units: Any) -> list[str]:
-        return self._keys(units, self.lengths(len(units)))
+        """The directories a prompt reads, the longest anchor first."""
+        return [k + DIRECTORY_SUFFIX for k in self._keys(units, self.lengths(len(units)))]
+
+    def exact(self, units: Any, lengths: Sequence[int]) -> list[str]:
+        """The exact keys of the prefixes of ``lengths`` units (each at most ``len(units)``)."""
+        return self._keys(units, lengths)
 
     def stored(self, held: Any) -> str:
-        """The key a held sequence is stored under: its length rounded down to the anchor spacing."""
+        """The key a held sequence is stored under: the digest of all of it."""
+        return self._keys(held, [len(held)])[0]
+
+    def directory(self, held: Any) -> str:
+        """The directory a held sequence's length goes into: its anchor's (length rounded down to ``chunk``)."""
         n = len(held)
-        return self._keys(held, [n - n % self.chunk])[0]
+        return self._keys(held, [n - n % self.chunk])[0] + DIRECTORY_SUFFIX
+
+
+def anchor_lengths(params: Any, at_most: int, max_lengths: int = DEFAULT_MAX_LENGTHS) -> list[int]:
+    """The held lengths a directory's params list, most recent first, those above ``at_most`` left out
+    (anything that is not a list of lengths -- a damaged or foreign entry -- lists none)."""
+    lengths = params.get(ANCHOR_LENGTHS_KEY) if isinstance(params, Mapping) else None
+    if not isinstance(lengths, list):
+        return []
+    return [n for n in lengths[:max_lengths] if type(n) is int and 0 < n <= at_most]
+
+
+def add_anchor_length(params: Any, n: int, max_lengths: int = DEFAULT_MAX_LENGTHS) -> dict[str, list[int]]:
+    """A directory's params once a held sequence of ``n`` units is stored beneath it: ``n`` first, the
+    other lengths after it, at most ``max_lengths``."""
+    rest = [m for m in anchor_lengths(params, 2**63) if m != n]
+    return {ANCHOR_LENGTHS_KEY: [n] + rest[:max_lengths - 1]}
 
 
 def text_anchors(chunk: int = DEFAULT_TEXT_CHUNK, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> PrefixAnchors:

@@ -36,7 +36,8 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from impl.policy import ConversationEntry
+from impl.policy import ConversationEntry, Lookup, MissReason
+from impl.policy.history_key import add_anchor_length, anchor_lengths
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
 from impl.policy.prefix_check import REPORT_KEY
 from impl.policy.return_time import RETENTION_KEY
@@ -87,6 +88,7 @@ _PER_UPSTREAM_KEYS = frozenset(("stream", "max_tokens", "kv_transfer_params", "r
 # response_started false): retried on the same instance, which is fine. uvicorn closes a connection
 # only between requests, so such a request never reached vLLM and re-sending the POST is safe.
 STALE_RETRIES = 2
+_NOT_LISTED = Lookup(None, MissReason.UNKNOWN)  # an anchor whose directory lists nothing this prompt continues
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -253,6 +255,10 @@ class TurnProxy:
             if turn.match == "history":  # the next turn looks its P up under this key
                 self._remember_affinity((tenant, stored), prefill.upstream.name, turn.estimated_tokens)
             stored_key = (tenant, stored)
+            if turn.anchored:  # listed before it is stored: a next turn then waits for a pending update
+                directory = turn.anchor_directory(capture.answer, capture.output_token_ids)
+                if directory is not None:
+                    await self._list_in_directory(tenant, *directory)
             handed_off = await self.recorder.finish_turn(stored_key, turn, capture, upstream, request_id if token else None)
             if learnt is not None:
                 prompt = prefill.prompt_tokens if prefill.prompt_tokens is not None else turn.estimated_tokens
@@ -307,7 +313,10 @@ class TurnProxy:
                 # single-use, whatever the key: P's read frees D's blocks (vLLM frees them on P's read
                 # notification), so neither a regenerated turn nor the retry of a turn that failed after P
                 # read may be offered them again; a retry recomputes instead of reading freed blocks
-                found = await self.store.take(tenant, cid, turn.view, self.clock())
+                if turn.anchored:
+                    found, cid = await self._take_listed(tenant, turn, cid)
+                else:
+                    found = await self.store.take(tenant, cid, turn.view, self.clock())
                 if found.entry is not None:
                     entry, key = found.entry, (tenant, cid)
                     break
@@ -333,6 +342,33 @@ class TurnProxy:
         self.metrics.reuse_matches.inc(turn.match)
         self.metrics.tokens_reused.inc(amount=entry.num_tokens)
         return entry, False, key, None
+
+    async def _take_listed(self, tenant: str, turn: TurnRequest, directory: str) -> tuple[Lookup, str]:
+        """An anchored completion: take the first held sequence listed in ``directory`` that this prompt
+        continues (its exact key, computed from the prompt), the most recently listed first."""
+        got = await self.store.get(tenant, directory)
+        lengths = anchor_lengths(got.entry.kv_params, len(turn.body["prompt"])) if got is not None else []
+        found = _NOT_LISTED
+        for cid in turn.exact_ids(lengths):
+            await self.recorder.wait_pending((tenant, cid))
+            taken = await self.store.take(tenant, cid, turn.view, self.clock())
+            if taken.entry is not None:
+                return taken, cid
+            if found is _NOT_LISTED:
+                found = taken
+        return found, directory
+
+    async def _list_in_directory(self, tenant: str, directory: str, length: int) -> None:
+        """Add a held length to its anchor's directory (kept as long as D could keep any turn)."""
+        now = self.clock()
+        try:
+            got = await self.store.get(tenant, directory)
+            old = got.entry if got is not None else None
+            expires = max(now + self.config.decoder_kv_blocks_ttl_s, old.expires_at if old is not None else now)
+            params = add_anchor_length(old.kv_params if old is not None else None, length)
+            await self.store.record_success(tenant, directory, ConversationEntry("", params, expires, 0, 0, None, now), now)
+        except StoreUnavailable:
+            pass  # the next turn is not found by this anchor: it recomputes
 
     def _missed(self, reason: str, key: tuple[str, str] | None
                 ) -> tuple[None, bool, tuple[str, str] | None, str]:

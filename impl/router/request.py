@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from impl.policy import ItemsPrompt, PromptView, canonical_messages, sequence_digest
 from impl.policy.continuation import KnownPrefixes
-from impl.policy.history_key import (DEFAULT_MAX_CANDIDATES, HistoryKeys, PrefixAnchors, text_anchors,
-                                     token_anchors)
+from impl.policy.history_key import (DEFAULT_MAX_CANDIDATES, DIRECTORY_SUFFIX, HistoryKeys, PrefixAnchors,
+                                     text_anchors, token_anchors)
 from impl.policy.text_prompt import TextPrompt
 from impl.router.log_safe import shown
 
@@ -106,11 +106,29 @@ class TurnRequest:
             return self.conversation_id
         if isinstance(self._history, HistoryKeys):
             return self._history.after_answer(answer) + self.scope
+        held = self._held_units(answer, output_token_ids)
+        return None if held is None else self._history.stored(held) + self.scope
+
+    @property
+    def anchored(self) -> bool:
+        """A completion looked up by anchors: its candidates are directories of held lengths."""
+        return self.match == "history" and isinstance(self._history, PrefixAnchors)
+
+    def exact_ids(self, lengths: list[int]) -> list[str]:
+        """The store keys of this prompt's prefixes of ``lengths`` units (an anchored completion)."""
+        return [k + self.scope for k in self._history.exact(self.body["prompt"], lengths)]
+
+    def anchor_directory(self, answer: str, output_token_ids: list[int] | None) -> tuple[str, int] | None:
+        """The directory this turn's held sequence is listed in, and its length (an anchored completion)."""
+        held = self._held_units(answer, output_token_ids)
+        return None if held is None else (self._history.directory(held) + self.scope, len(held))
+
+    def _held_units(self, answer: str, output_token_ids: list[int] | None) -> Any:
         if self.prompt_kind == "text":
-            return self._history.stored(self.body["prompt"] + answer) + self.scope
+            return self.body["prompt"] + answer
         if output_token_ids is None:
             return None
-        return self._history.stored(list(self.body["prompt"]) + list(output_token_ids)) + self.scope
+        return list(self.body["prompt"]) + list(output_token_ids)
 
     def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
         """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
@@ -368,6 +386,7 @@ def shown_id(cid: str) -> str:
     suffix; what the client chose (an id, a prompt_cache_key) escaped and cut (impl.router.log_safe)."""
     if cid.startswith("\x00"):
         cid, scoped, _ = cid.partition(SALT_SCOPE)
+        cid = cid.removesuffix(DIRECTORY_SUFFIX)
         kind = {"h": "history", "t": "text", "i": "tokens", "p": "prompt_cache_key"}.get(cid[1:2], "key")
         text = f"{kind}:{shown(cid[-12:])}" if kind != "prompt_cache_key" else f"{kind}:{shown(cid[3:])}"
         return text + (" (salted)" if scoped else "")

@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from impl.policy.continuation import canonical_messages, sequence_digest
-from impl.policy.history_key import HISTORY_PREFIX, HistoryKeys, key_item, text_anchors, token_anchors
+from impl.policy.history_key import (HISTORY_PREFIX, HistoryKeys, add_anchor_length, anchor_lengths, key_item, text_anchors,
+                                     token_anchors)
 
 texts = st.text(min_size=0, max_size=20)
 roles = st.sampled_from(["system", "user", "assistant", "tool"])
@@ -65,19 +66,22 @@ def test_the_normal_form_forgets_what_sdks_change_and_keeps_what_was_said():
 @given(st.text(min_size=0, max_size=600), st.text(min_size=0, max_size=600), st.integers(1, 64), st.integers(1, 8))
 def test_a_text_that_extends_a_held_text_finds_its_anchor(held, appended, chunk, k):
     anchors = text_anchors(chunk, k)
-    found = anchors.stored(held) in anchors.candidates(held + appended)
+    found = anchors.directory(held) in anchors.candidates(held + appended)
     if len(appended) <= (k - 1) * chunk:
         assert found  # the documented reach
     if found:  # an anchor names a prefix by its length and content: the held text's own
         n = len(held) - len(held) % chunk
         assert (held + appended)[:n] == held[:n]
+    # the exact key is found from the length its directory lists, and only by a text that continues it
+    assert anchors.exact(held + appended, [len(held)]) == [anchors.stored(held)]
 
 
 @given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.lists(st.integers(0, 2**31 - 1), max_size=300))
 def test_token_anchors_reach_and_differ(held, appended):
     anchors = token_anchors(16, 4)
     if len(appended) <= 3 * 16:
-        assert anchors.stored(held) in anchors.candidates(held + appended)
+        assert anchors.directory(held) in anchors.candidates(held + appended)
+        assert anchors.exact(held + appended, [len(held)]) == [anchors.stored(held)]
     if len(held) >= 16:
         changed = [held[0] ^ 1] + held[1:]
         assert anchors.stored(changed) != anchors.stored(held)
@@ -99,3 +103,34 @@ def test_a_message_with_more_keys_ends_the_known_digests():
     keys = HistoryKeys(history, items=canonical_messages(history))
     assert list(keys.guard_digests) == [2]
     assert keys.after_answer_digest("x")[1] is False
+
+
+@given(st.text(min_size=1, max_size=200), st.lists(st.text(min_size=1, max_size=60), min_size=2, max_size=6, unique=True),
+       st.text(max_size=100))
+def test_held_texts_sharing_a_long_prefix_each_find_only_their_own_key(shared, tails, appended):
+    """A shared few-shot or system prefix puts every conversation's anchor inside it: the directory lists
+    each held length, and each next prompt finds the exact key of the text it continues, no other."""
+    anchors = text_anchors(16, 8)
+    helds = [shared * 4 + tail for tail in tails]
+    params = None
+    for held in helds:
+        params = add_anchor_length(params, len(held))
+    for held in helds:
+        prompt = held + appended
+        lengths = anchor_lengths(params, len(prompt))
+        keys = set(anchors.exact(prompt, lengths))
+        assert anchors.stored(held) in keys
+        for other in helds:  # another held text's key is found only by a prompt that continues it
+            if anchors.stored(other) in keys:
+                assert prompt.startswith(other)
+
+
+def test_a_directory_keeps_the_most_recent_lengths_and_reads_nothing_from_garbage():
+    params = None
+    for n in range(1, 12):
+        params = add_anchor_length(params, n)
+    assert anchor_lengths(params, 100) == [11, 10, 9, 8, 7, 6, 5, 4]
+    assert anchor_lengths(add_anchor_length(params, 9), 100)[:2] == [9, 11]
+    assert anchor_lengths(params, 8) == [8, 7, 6, 5, 4]
+    for garbage in (None, {}, {"bidikv_anchor_lengths": "3"}, {"bidikv_anchor_lengths": [True, -1, 2.0, "4"]}, []):
+        assert anchor_lengths(garbage, 100) == []
