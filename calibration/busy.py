@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 
 # A second: the connector's reader polls for about 1 s after each step (BASELINES' measurement that a
 # turn starting < ~1 s after the previous one ended takes ~2x); a flag overrides it.

@@ -150,7 +150,7 @@ def _profiles(refit: bool) -> dict[str, Any]:
 def run_from_bench(args: argparse.Namespace) -> int:
     from calibration.from_bench import fit_from_bench
     from calibration.profile import LatencyProfile
-    from impl.bench.records import read_jsonl
+    from calibration.bench_records import read_jsonl
 
     settings = bench_settings(args, args.from_bench)
     profile, report = fit_from_bench(read_jsonl(args.from_bench), LatencyProfile.load(args.base_profile),

@@ -28,7 +28,7 @@ into bytes gave 3e23-8e35 bytes/s, and any rate made the simulator charge every 
 a second time (the measured TTFT already contains it, inside the fitted compute terms).
 
 **Decode**, per turn with tokens after the first read, TPOT = (total - TTFT) / (output - tokens of the
-first read) (:attr:`impl.bench.records.BenchRecord.tpot_s`; tokens that came with the first were decoded
+first read) (:attr:`calibration.bench_records.BenchRecord.tpot_s`; tokens that came with the first were decoded
 before TTFT was stamped):
 
     TPOT = decode_fixed_s + decode_per_seq_s * B + decode_per_ctx_token_s * C
@@ -56,7 +56,7 @@ from calibration.bench_settings import DeploymentSettings
 from calibration.busy import DEFAULT_BUSY_WINDOW_S, busy_flags, decode_loads
 from calibration.prefill import causal_pairs
 from calibration.profile import LatencyProfile
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 
 TERMS = ("prefill_fixed_s", "prefill_per_token_s", "prefill_attn_s", "transfer_setup_s", "per_pulled_token_s")
 _COMPUTE = 3  # the first three terms are P's compute (slowed when busy); the rest are the pull's

@@ -1,5 +1,11 @@
 """``bidikv``: one console script, one subcommand per job. Each subcommand lives with its concern and
-registers itself here; heavy imports happen only when that subcommand runs.
+registers itself here; a subcommand's module is imported only when that subcommand is asked for (or
+for ``bidikv --help``, which lists them all).
+
+Layering: this dispatcher is the one module of impl that names the simulator's modules, and only as
+strings in :data:`COMMANDS`; ``bidikv router`` and ``bidikv deploy`` load nothing of sim/
+(tests/test_run_time_layers.py checks ``sys.modules``; tools/import_graph.py reads the strings as
+by-name arrows, exempt from the layer rules here only).
 
 Whatever a subcommand raises for bad input or a broken environment (a ValueError naming the field, a
 missing file, an unwritable directory, an unreachable URL, an extra that is not installed) ends here
@@ -11,18 +17,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Sequence
 
-# (module, what it adds); each module exposes register(subparsers)
-SUBCOMMAND_MODULES = [
-    "sim.cli",  # simulate
-    "sim.tune.cli",  # tune
-    "sim.trace_cli",  # trace (router trace <-> Mooncake)
-    "sim.calibration_cli",  # calibrate, profile (calibration.cli's, with the simulator passed in)
-    "sim.validate_cli",  # validate (replays bench runs through the simulator)
-    "impl.router.cli",  # router
-    "sim.bench.cli",  # bench
-    "impl.deploy.cli",  # deploy
-]
+# command -> the module that registers it (``register(subparsers)``), in the order ``--help`` lists them
+COMMANDS = {
+    "simulate": "sim.cli",
+    "tune": "sim.tune.cli",
+    "trace": "sim.trace_cli",  # router trace <-> Mooncake
+    "calibrate": "sim.calibration_cli",  # calibration.cli's, with the simulator passed in
+    "profile": "sim.calibration_cli",
+    "validate": "sim.validate_cli",  # replays bench runs through the simulator
+    "router": "impl.router.cli",
+    "bench": "sim.bench.cli",
+    "deploy": "impl.deploy.cli",
+}
+SUBCOMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 # Top-level packages of the optional extras (pyproject.toml): importing one of them on the light
 # install (tools/demo.sh) is a missing extra, not a bug.
@@ -48,11 +57,12 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand, or only the module of ``command`` (one of :data:`COMMANDS`)."""
     parser = OneLineErrors(prog="bidikv", description="Bidirectional KV-cache transfer: simulate, calibrate, tune, serve.")
     parser.add_argument("--version", action="version", version=f"bidikv {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMAND_MODULES:
+    for module in ([COMMANDS[command]] if command is not None else SUBCOMMAND_MODULES):
         importlib.import_module(module).register(sub)
     return parser
 
@@ -73,8 +83,11 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     return f"this needs {top}, which is not installed: {how}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # the command is the first argument (the top level has no option that takes a value); anything
+    # else (--help, --version, a typo) gets the full parser
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     where = f"bidikv {args.command}: error:"
     try:

@@ -248,4 +248,4 @@ def _sim_client(cluster: "Cluster", client: VllmClient,
         pause = client.pause_s(env.now - started)
         if pause > 0:
             yield env.timeout(pause)
-    cluster._live_clients -= 1  # the sampler and heartbeats run while any client does (Cluster.run's hook)
+    cluster.client_exited()  # the sampler and heartbeats run while any client does (Cluster.run's hook)

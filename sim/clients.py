@@ -31,17 +31,23 @@ Randomness: a turn's linger comes from its own stream ``client-linger:<tenant>:<
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sim.rng import stream
 from sim.workload.distributions import Constant, Distribution, LogNormal
 from sim.workload.model import Conversation
 
-if TYPE_CHECKING:
-    from sim.config import ClientConfig
+
+class ClientSettings(Protocol):
+    """What this module reads of :class:`sim.config.ClientConfig` (which validates through
+    :func:`linger_distribution`, so the config imports this module, never the other way)."""
+
+    client_renewal: str
+    client_linger_p50_s: float
+    client_linger_p90_s: float
 
 
-def linger_distribution(config: "ClientConfig") -> Distribution:
+def linger_distribution(config: ClientSettings) -> Distribution:
     """The while_open linger: lognormal through (p50, p90), a constant when they are equal."""
     p50, p90 = config.client_linger_p50_s, config.client_linger_p90_s
     for name, value in (("client_linger_p50_s", p50), ("client_linger_p90_s", p90)):
@@ -61,7 +67,7 @@ def linger_distribution(config: "ClientConfig") -> Distribution:
 class ClientRenewal:
     """One behaviour of :data:`sim.config.RENEWAL_BEHAVIOURS`, answering :meth:`renew_until`."""
 
-    def __init__(self, config: "ClientConfig", seed: int) -> None:
+    def __init__(self, config: ClientSettings, seed: int) -> None:
         self.behaviour = config.client_renewal
         self._linger = linger_distribution(config)
         self._seed = seed

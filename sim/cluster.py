@@ -97,6 +97,15 @@ class Cluster:
         self.renewal = ClientRenewal(config.clients, config.seed)
         self.heartbeats_sent = 0
 
+    @property
+    def live_clients(self) -> int:
+        """Clients still to send or finish a turn: the sampler and the heartbeats run while any is."""
+        return self._live_clients
+
+    def client_exited(self) -> None:
+        """A client started by :meth:`run` (or its ``clients`` hook) is done with its last turn."""
+        self._live_clients -= 1
+
     def _next_reuse(self, key: tuple[str, str], now: float) -> float | None:
         """Arrival of the conversation's next turn if it continues the current one (oracle only)."""
         conv = self._conversations[key]
@@ -120,7 +129,7 @@ class Cluster:
             self._stuck_at = now
             return
         for d in self.decode:
-            d._advance_retention(now)
+            d.advance_retention(now)
             self.series.append((now, d.name, d.running_blocks, d.retained.blocks, d.cached_blocks, d.capacity))
         after(self.env, self.config.series_interval_s, self._sample)
 
@@ -159,8 +168,8 @@ class Cluster:
 
     def run(self, conversations: Sequence[Conversation], progress: Callable[[float], None] | None = None,
             clients: Callable[["Cluster", Sequence[Conversation]], int] | None = None) -> SimResult:
-        """``clients``: starts the client processes itself and returns how many (each lowers
-        ``_live_clients`` when it exits); turns it never sends are not recorded. Default: one process per
+        """``clients``: starts the client processes itself and returns how many (each calls
+        :meth:`client_exited` when it exits); turns it never sends are not recorded. Default: one process per
         conversation, or a pool of ``config.num_clients``."""
         with without_cyclic_gc():  # the summary's lists too: at a million turns they are millions of objects
             return self._run(conversations, progress, clients)
@@ -196,7 +205,7 @@ class Cluster:
             progress(env.now)
         end = env.now
         for d in self.decode:
-            d._advance_retention(end)
+            d.advance_retention(end)
         self._reject_unfinished(conversations if clients is None else ())
         bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
         summary = summarize(self.records, bytes_per_block, {d.name: d.totals for d in self.decode}, end)

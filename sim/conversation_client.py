@@ -11,23 +11,39 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import simpy
 from simpy.events import NORMAL
 
+from sim.clients import ClientRenewal
 from sim.instant import Timer, after, call_soon
 from sim.workload.model import Conversation, Lineage
 
-if TYPE_CHECKING:
-    from sim.cluster import Cluster
+
+class ClientHost(Protocol):
+    """What a client uses of :class:`sim.cluster.Cluster` (which starts the clients, so it imports this
+    module, never the other way)."""
+
+    env: simpy.Environment
+    renewal: ClientRenewal
+    router: Any  # relays heartbeats: .heartbeat(key)
+    heartbeats_sent: int
+
+    @property
+    def live_clients(self) -> int: ...
+
+    def client_exited(self) -> None: ...
+
+    def send_turn(self, conv: Conversation, index: int, lineage: Lineage | None, on_done: Callable[[], None],
+                  key: tuple[str, str] | None = None) -> Any: ...
 
 
 class ConversationClient:
     __slots__ = ("cluster", "conv", "key", "lease", "lineage", "index", "release", "renew_until", "on_exit",
                  "beats_stop", "after_beats")
 
-    def __init__(self, cluster: "Cluster", conv: Conversation, lease: Any, on_exit: Callable[[], None] | None) -> None:
+    def __init__(self, cluster: ClientHost, conv: Conversation, lease: Any, on_exit: Callable[[], None] | None) -> None:
         self.cluster, self.conv, self.lease, self.on_exit = cluster, conv, lease, on_exit
         self.key = (conv.tenant, conv.conversation_id)
         self.lineage: Lineage | None = None
@@ -80,7 +96,7 @@ class ConversationClient:
 
     def _exit(self) -> None:
         cluster = self.cluster
-        cluster._live_clients -= 1
+        cluster.client_exited()
         if self.lease is not None and self.renew_until > cluster.env._now:
             # after the last turn a lingering client keeps renewing on its own (from where a process
             # started now would start); a pooled client moves on
@@ -105,7 +121,7 @@ class ConversationClient:
 
     def _next_beat(self) -> None:
         cluster, interval = self.cluster, self.lease.heartbeat_interval_s
-        if cluster.env._now + interval <= self.beats_stop and cluster._live_clients > 0:
+        if cluster.env._now + interval <= self.beats_stop and cluster.live_clients > 0:
             after(cluster.env, interval, self._beat)
         else:
             self.after_beats()
@@ -135,7 +151,7 @@ class Arrivals:
     comes before the one queued, so everything happens in the same order, on a queue of the
     conversations in flight instead of all of them (every push and pop costs log n comparisons)."""
 
-    def __init__(self, cluster: "Cluster", conversations: "Sequence[Conversation]", lease: Any) -> None:
+    def __init__(self, cluster: ClientHost, conversations: Sequence[Conversation], lease: Any) -> None:
         env = self.env = cluster.env
         entries = []
         callbacks = (self._arrive,)

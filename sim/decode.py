@@ -206,6 +206,11 @@ class DecodeNode:
             self.totals.retained_block_seconds += self.retained.blocks * (until - self._retained_clock)
             self._retained_clock = until
 
+    def advance_retention(self, now: float) -> None:
+        """Bring the retained blocks up to ``now`` (expired entries freed, block-seconds integrated): for
+        a reader of the node's occupancy from outside (the cluster's series, the run's end)."""
+        self._advance_retention(now)
+
     def _advance_retention(self, now: float) -> None:
         """Expire retained entries in expiry order, integrating retained blocks exactly."""
         retained = self.retained

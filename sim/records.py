@@ -63,7 +63,7 @@ class TurnRecord:
     def tpot_s(self) -> float:
         """Mean time per output token after the first, NaN with fewer than two: a simulated turn's first
         token comes alone with the prefill (no stream to fall behind on; a bench turn's is
-        impl.bench.records.BenchRecord.tpot_s)."""
+        calibration.bench_records.BenchRecord.tpot_s)."""
         if self.output_tokens < 2:
             return math.nan
         return (self.completion_s - self.arrival_s - self.ttft_s) / (self.output_tokens - 1)

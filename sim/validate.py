@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 from sim.cluster import Cluster
 from sim.config import SimConfig
 from sim.contention import HostContention, attach

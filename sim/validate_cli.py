@@ -46,12 +46,12 @@ def register(subparsers: Any) -> None:
 def read_run(path: str) -> list[Any]:
     """A bench run's records, or a router trace's turns as bench records (the router saw the same things:
     arrival, lengths, what it offered, P's cached tokens, TTFT and finish)."""
-    from impl.bench.records import read_jsonl
+    from calibration.bench_records import read_jsonl
     from sim.workload.router_trace import is_router_trace
 
     if not is_router_trace(path):
         return read_jsonl(path)
-    from impl.bench.records import BenchRecord
+    from calibration.bench_records import BenchRecord
     from sim.workload.router_trace import read_turns
 
     turns = read_turns(path)

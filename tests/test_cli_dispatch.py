@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from impl.cli import SUBCOMMAND_MODULES, build_parser
+from impl.cli import COMMANDS, SUBCOMMAND_MODULES, build_parser
 
 
 def _leaves(parser, path):
@@ -26,14 +26,17 @@ def test_every_subcommand_sets_run():
     leaves = list(_leaves(build_parser(), ["bidikv"]))
     for path, sub in leaves:
         assert callable(sub.get_default("run")), f"{' '.join(path)} does not set run"
-    # every module registers something, and what the modules register is exactly what bidikv offers
-    registered = set()
+    # every module registers exactly the commands COMMANDS sends to it (what main() imports for one
+    # command), and those are exactly what bidikv offers
     for module in SUBCOMMAND_MODULES:
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(module).register(sub)
-        assert sub.choices, f"{module} registers no command"
-        registered |= set(sub.choices)
-    assert {path[1] for path, _ in leaves} == registered
+        assert set(sub.choices) == {c for c, m in COMMANDS.items() if m == module}, module
+    assert {path[1] for path, _ in leaves} == set(COMMANDS)
+    # one command's parser is that command's, as the full parser has it
+    for command in COMMANDS:
+        alone = next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction))
+        assert command in alone.choices and set(alone.choices) <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -6,8 +6,14 @@ first depends on who imported whom; an upward arrow means a lower layer (the pur
 calibration) cannot be used without dragging in a higher one (the simulator). Both are cheap to
 prevent and costly to undo, so this runs as a test.
 
-Every import counts, wherever it sits: one inside a function is still a dependency, only deferred.
-The one exception is an ``if TYPE_CHECKING:`` block, which never runs.
+Every import counts, wherever it sits: one inside a function is still a dependency, only deferred; one
+in an ``if TYPE_CHECKING:`` block is one for whoever reads or type-checks the module, so it makes a cycle
+as much as any other. A module that imports :mod:`importlib` and names a project module in a string
+(``importlib.import_module("sim.cli")``, or a table of such names) is taken to import it: by name.
+
+The console script's dispatcher (``DISPATCHERS``: impl.cli) is the one place a lower layer names a
+higher one, by name only: it loads a subcommand's module when that subcommand is asked for, so
+``bidikv router`` never loads the simulator (tests/test_run_time_layers.py checks ``sys.modules``).
 
 Usage: ``python tools/import_graph.py [--layers] [--root DIR]``; exit 1 on a cycle or a violation.
 """
@@ -26,10 +32,16 @@ PACKAGES = ("impl", "sim", "calibration")
 # first layer whose prefix it has; an import is checked against that layer only.
 LAYERS = (
     ("impl.policy", ("impl.policy",), None),  # pure decisions: nothing else of the project
-    ("calibration", None, ("sim",)),  # the simulator is built on calibration, never the other way
+    # the measurements, their format and the models fitted to them: below both the simulator and what
+    # is deployed (the connector's cost model, deploy's instance presets)
+    ("calibration", ("calibration", "impl.policy"), None),
     ("impl", None, ("sim",)),  # what is deployed runs without the simulator
-    ("sim", None, ()),  # may import impl.policy and calibration: the layers below it
+    ("sim", None, ()),  # may import impl and calibration: the layers below it
 )
+
+# Modules whose by-name imports (the subcommand each loads when asked for) are exempt from the layer
+# rules; their ordinary imports are not.
+DISPATCHERS = ("impl.cli",)
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class Edge:
     source: str
     target: str
     line: int
+    kind: str = "import"  # "import" (runs), "type" (under TYPE_CHECKING), "by_name" (a string to importlib)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -60,17 +73,53 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(tree: ast.AST):
-    """Import statements that run, skipping the bodies of ``if TYPE_CHECKING:`` (not their else)."""
-    stack = [tree]
+    """(import statement, kind): "type" inside the body of ``if TYPE_CHECKING:`` (not its else), else
+    "import"."""
+    stack = [(tree, "import")]
     while stack:
-        node = stack.pop()
+        node, kind = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
+            yield node, kind
             continue
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
+            stack.extend((child, "type") for child in node.body)
+            stack.extend((child, kind) for child in node.orelse)
             continue
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend((child, kind) for child in ast.iter_child_nodes(node))
+
+
+def _uses_importlib(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "importlib" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "importlib" and not node.level:
+            return True
+        if isinstance(node, ast.Name) and node.id == "__import__":
+            return True
+    return False
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _by_name(tree: ast.AST, known: dict[str, Path]):
+    """(line, module) of every string that is exactly a project module's name, in a module that uses
+    importlib: what it can load by name."""
+    if not _uses_importlib(tree):
+        return
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        # a dotted name: a bare "impl" or "sim" is as often an extra's or a directory's name
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value
+                and node.value in known and id(node) not in docstrings):
+            yield node.lineno, node.value
 
 
 def _known(name: str, known: dict[str, Path]) -> str | None:
@@ -86,7 +135,10 @@ def edges(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[Edge]:
     for name, path in known.items():
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _imports(tree):
+        for line, target in _by_name(tree, known):
+            if target != name:
+                found[Edge(name, target, line, "by_name")] = None
+        for node, kind in _imports(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -102,7 +154,7 @@ def edges(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[Edge]:
             for target in targets:
                 resolved = _known(target, known)
                 if resolved is not None and resolved != name:
-                    found[Edge(name, resolved, node.lineno)] = None
+                    found[Edge(name, resolved, node.lineno, kind)] = None
     return list(found)
 
 
@@ -155,6 +207,8 @@ def _within(name: str, prefix: str) -> bool:
 def violations(found: list[Edge]) -> list[Edge]:
     bad = []
     for edge in found:
+        if edge.kind == "by_name" and edge.source in DISPATCHERS:
+            continue
         for layer, allowed, forbidden in LAYERS:
             if not _within(edge.source, layer):
                 continue
@@ -178,20 +232,21 @@ def main(argv: list[str] | None = None) -> int:
         graph[edge.source].add(edge.target)
     failed = False
     components = cycles(graph)
-    print(f"{len(graph)} modules, {len({(e.source, e.target) for e in found})} arrows, "
-          f"{len(components)} cycles")
+    kinds = {kind: len({(e.source, e.target) for e in found if e.kind == kind}) for kind in ("type", "by_name")}
+    print(f"{len(graph)} modules, {len({(e.source, e.target) for e in found})} arrows "
+          f"({kinds['type']} type-only, {kinds['by_name']} by name), {len(components)} cycles")
     for component in components:
         failed = True
         members = set(component)
         print(f"cycle of {len(component)}: {' '.join(component)}")
-        for edge in sorted({(e.source, e.target) for e in found if e.source in members and e.target in members}):
-            print(f"  {edge[0]} -> {edge[1]}")
+        for edge in sorted({(e.source, e.target, e.kind) for e in found if e.source in members and e.target in members}):
+            print(f"  {edge[0]} -> {edge[1]}" + ("" if edge[2] == "import" else f" ({edge[2]})"))
     if args.layers:
         bad = violations(found)
         print(f"{len(bad)} layer violations")
         for edge in sorted(bad, key=lambda e: (e.source, e.line)):
             failed = True
-            print(f"  {edge.source}:{edge.line} -> {edge.target}")
+            print(f"  {edge.source}:{edge.line} -> {edge.target}" + ("" if edge.kind == "import" else f" ({edge.kind})"))
     return 1 if failed else 0
 
 

@@ -1,3 +1,4 @@
-"""What a ``bidikv bench`` run records (impl.bench.records, the one JSONL format bench, calibration
-and replay share) and the buckets and percentile every latency table uses (impl.bench.stats). The
-bench command itself is sim.bench: it sends the simulator's workloads."""
+"""The buckets and percentile every latency table uses (impl.bench.stats), measured or simulated. What a
+``bidikv bench`` run records is calibration.bench_records (the one JSONL format bench, calibration and
+replay share; calibration sits below impl, so it owns the format it fits from); the bench command
+itself is sim.bench: it sends the simulator's workloads."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from impl.bench.records import BenchRecord, read_jsonl, write_jsonl
+from calibration.bench_records import BenchRecord, read_jsonl, write_jsonl
 from impl.bench.stats import bucket_label, percentile
 
 

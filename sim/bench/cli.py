@@ -9,7 +9,7 @@ import os
 from typing import Any, Sequence
 
 from sim.bench.config import BenchConfig
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 from impl.bench.stats import bucket_label, percentile
 
 _BENCH_DEFAULTS = BenchConfig(url="", mode="on")  # the one source of the bench's defaults
@@ -79,7 +79,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from sim.bench.client import run_bench
-    from impl.bench.records import write_jsonl
+    from calibration.bench_records import write_jsonl
     from sim.workload import VLLM_MULTI_TURN, load_workload
 
     workload, seed, num_clients = plan_from_args(args)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import aiohttp
 
 from sim.bench.config import BenchConfig
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 from sim.workload.model import Conversation
 
 

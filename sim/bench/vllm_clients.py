@@ -25,7 +25,7 @@ import aiohttp
 
 from sim.bench.client import _model_info, _turn, turn_record
 from sim.bench.config import BenchConfig
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 from sim.bench_clients import VllmClient, VllmClientConfig, make_clients
 from sim.rng import stream
 from sim.workload.model import Conversation

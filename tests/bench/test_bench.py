@@ -9,7 +9,7 @@ import pytest
 
 from sim.bench.client import run_bench
 from sim.bench.config import BenchConfig
-from impl.bench.records import read_jsonl, write_jsonl
+from calibration.bench_records import read_jsonl, write_jsonl
 from sim.workload.model import Conversation, Turn
 from tests.router.harness import Deployment
 
@@ -61,7 +61,7 @@ def test_bad_bench_lines_are_named(tmp_path, line, field):
 
 
 def test_a_failed_turn_without_ttft_round_trips(tmp_path):
-    from impl.bench.records import BenchRecord, write_jsonl
+    from calibration.bench_records import BenchRecord, write_jsonl
 
     failed = BenchRecord(conversation="c", turn=1, mode="on", prompt_tokens=10, output_tokens=0, start_s=1.0,
                          ttft_s=float("nan"), total_s=0.5, reuse_offered_tokens=0, prefill_cached_tokens=None,

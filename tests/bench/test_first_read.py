@@ -20,7 +20,7 @@ from aiohttp import web
 
 from sim.bench.client import _turn, turn_record
 from sim.bench.config import BenchConfig
-from impl.bench.records import BenchRecord, read_jsonl, write_jsonl
+from calibration.bench_records import BenchRecord, read_jsonl, write_jsonl
 from calibration.busy import decode_loads
 
 # long enough that a scheduler hiccup on a loaded 2-core host does not merge two bursts into one read

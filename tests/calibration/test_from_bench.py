@@ -12,7 +12,7 @@ from calibration.bench_settings import DeploymentSettings
 from calibration.busy import busy_flags
 from calibration.from_bench import DEFAULT_MAX_TRANSFER_BYTES_PER_S, fit_from_bench
 from calibration.profile import LatencyProfile
-from impl.bench.records import BenchRecord, write_jsonl
+from calibration.bench_records import BenchRecord, write_jsonl
 from impl.cli import main
 
 BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")

@@ -14,7 +14,7 @@ import pytest
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
 from sim.validate import TurnComparison, bench_clients, conversations_from_bench, summarize, validate_run
-from impl.bench.records import BenchRecord
+from calibration.bench_records import BenchRecord
 
 BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")
 # A profile whose turns take what the hand-made records say: 0.5 s to the first token for any prompt
@@ -113,7 +113,7 @@ def test_host_contention_slows_a_prefill_that_starts_while_decode_was_busy():
 def test_cli_json_is_strict_json(tmp_path, capsys):
     import json
 
-    from impl.bench.records import write_jsonl
+    from calibration.bench_records import write_jsonl
     from impl.cli import main
 
     path = tmp_path / "run.jsonl"

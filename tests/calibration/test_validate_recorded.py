@@ -36,7 +36,7 @@ from calibration.from_bench import fit_from_runs
 from calibration.profile import LatencyProfile
 from sim.validate import validate_run
 from sim.validate_cli import ranking
-from impl.bench.records import read_jsonl
+from calibration.bench_records import read_jsonl
 from impl.cli import main
 
 DATA = pathlib.Path(__file__).parent / "data" / "validate"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from impl.bench.records import BenchRecord, read_jsonl, write_jsonl
+from calibration.bench_records import BenchRecord, read_jsonl, write_jsonl
 from tests.deploy.conftest import ROOT
 
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from impl.bench.records import read_jsonl
+from calibration.bench_records import read_jsonl
 from tests.e2e.deployment import REPO, DeploymentSpec, start_deployment
 from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE, build_tiny_model
 

@@ -14,7 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from impl.bench.records import read_jsonl
+from calibration.bench_records import read_jsonl
 from tests.e2e.conftest import E2E
 from tests.e2e.deployment import REPO
 from tests.e2e.tiny_model import FIRST_ORDINARY_ID, VOCAB_SIZE

@@ -1,4 +1,8 @@
-"""The per-turn record of a benchmark run, as JSON lines; the reader validates every line."""
+"""The per-turn record of a benchmark run, as JSON lines; the reader validates every line.
+
+``bidikv bench`` (sim.bench) writes it, calibration fits from it, ``bidikv validate`` replays it and
+``bidikv deploy compare`` tabulates it: it lives here, in the lowest layer that reads it, so none of
+them imports another's layer for it."""
 
 from __future__ import annotations
 
