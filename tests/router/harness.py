@@ -18,9 +18,9 @@ from aiohttp import web
 from impl.router.app import ROUTER_KEY, Router, build_app, start_site
 from impl.router.config import build_config
 from impl.router.tenants import Tenants
+from tests.async_timeout import ASYNC_TEST_TIMEOUT_S
 from tests.router.fakes import FakeVllmUpstream, free_port
 
-ASYNC_TEST_TIMEOUT_S = 30.0
 
 
 class LoopThread:

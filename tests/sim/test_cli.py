@@ -189,6 +189,7 @@ def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts(monkeypa
     assert len(sim.cli.load_conversations(config)) == 50
 
 
+@pytest.mark.extra("parquet")
 def test_parquet_records_hold_what_records_csv_holds(tmp_path):
     import pyarrow.parquet as pq  # the 'parquet' extra, which tools/test.sh installs: missing is a failure
 
@@ -209,6 +210,7 @@ def test_parquet_records_hold_what_records_csv_holds(tmp_path):
             assert cell == csv_row[field], (field, value, csv_row[field])
 
 
+@pytest.mark.extra("parquet")  # with pyarrow, a missing --out is the first thing said
 def test_parquet_without_pyarrow_or_out_fails_before_simulating(tmp_path, monkeypatch, capsys):
     import sim.runner
 

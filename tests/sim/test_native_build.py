@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.extra("native")  # mypyc comes with mypy
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("sim", "impl", "calibration", "tools/build_native.py", "benchmarks/sim_fingerprint.py")
 WHICH = "import sim.native; print(sim.native.build_name())"
