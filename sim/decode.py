@@ -64,7 +64,6 @@ from impl.policy import GiveBack, RetainedPool, releases
 from impl.policy.store import usable_until
 from sim.instant import after
 from sim.interconnect import Interconnect
-from sim.prefill_on_d import chunk_work_s
 from sim.records import NodeTotals, TurnRecord
 
 if TYPE_CHECKING:
@@ -97,6 +96,12 @@ class _Seq:
         own event (a bound method where a closure per turn was)."""
         self.rec.p2d_transfer_s = elapsed
         self.node._join(self)
+
+
+def chunk_work_s(profile: "LatencyProfile", tokens: int, context: int) -> float:
+    """A suffix chunk's share of a D step (prefill on D, sim.prefill_on_d): its prefill work without the
+    per-forward fixed cost, which the decode step already pays."""
+    return profile.compute_s(tokens, context) - profile.prefill_fixed_s
 
 
 def _join_order(seq: _Seq) -> int:

@@ -13,8 +13,9 @@ A step that carries a chunk of suffix: vLLM's chunked prefill runs the running s
 and the chunk in one forward pass (decode requests are scheduled first, the chunk takes what is left of
 ``max_num_batched_tokens``: ``vllm/v1/core/sched/scheduler.py``, running requests before waiting ones).
 Modelled as D's decode step plus the chunk's marginal prefill work as P would price it (the profile's
-linear and attention terms, without P's per-forward fixed cost, which D's decode step already pays): an
-assumption, not a measurement; nothing about mixed steps is published for these models.
+linear and attention terms, without P's per-forward fixed cost, which D's decode step already pays:
+:func:`sim.decode.chunk_work_s`): an assumption, not a measurement; nothing about mixed steps is published
+for these models.
 """
 
 from __future__ import annotations
@@ -26,17 +27,11 @@ from impl.policy.prefill_on_d import HoldState, PrefillOnD, TurnPath, TurnSignal
 from impl.policy.store import usable_until
 
 if TYPE_CHECKING:
-    from calibration.profile import LatencyProfile
     from sim.decode import DecodeNode
     from sim.prefill import PrefillNode
     from sim.records import TurnRecord
 
 PREFILL_ON_D = TurnPath.PREFILL_ON_D.value  # what a record's ``decision`` says of a turn served on D
-
-
-def chunk_work_s(profile: "LatencyProfile", tokens: int, context: int) -> float:
-    """A suffix chunk's share of a D step: its prefill work without the per-forward fixed cost."""
-    return profile.compute_s(tokens, context) - profile.prefill_fixed_s
 
 
 class PrefillOnDRouting:
