@@ -12,8 +12,8 @@ import pathlib
 import sys
 from typing import Any
 
-from sim.tune.grid import (DECODE_MODES, DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S,
-                           parse_floats)
+from sim.tune.grid import DECODE_MODES, DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
+from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, thresholds_of
 
 
 def register(subparsers: Any) -> None:
@@ -96,47 +96,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
 
 
-def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
-    """The simulate warnings, for the references every configuration is measured against."""
-    from sim.cli import QUEUE_SHARE_WARN, UTILISATION_WARN
-
-    out = []
-    for p in points:
-        if p.candidate.kind not in ("baseline_off", "default"):
-            continue
-        m, name = p.metrics, p.candidate.label
-        if m.get("prefill_utilisation_max", 0.0) >= UTILISATION_WARN:
-            out.append(f"{name}: a prefill instance is {m['prefill_utilisation_max']:.0%} busy, so TTFT measures a "
-                       f"saturated cluster, not KV reuse; add prefill instances (--num-prefill {num_prefill + 1}) "
-                       "or lower the load")
-        elif m.get("queue_share_of_ttft", 0.0) > QUEUE_SHARE_WARN:
-            out.append(f"{name}: queueing is {m['queue_share_of_ttft']:.0%} of TTFT, so the ranking is mostly about "
-                       f"waiting; add prefill instances (--num-prefill {num_prefill + 1}) or lower the arrival rate")
-    return out
-
-
-def _list(text: str, name: str) -> list[float]:
-    return parse_floats(text, name) if text.strip() else []
-
-
-def thresholds_of(args: argparse.Namespace) -> list[str]:
-    return [t.strip() for t in args.thresholds.split(",") if t.strip()]
-
-
-def decode_memory(args: argparse.Namespace, config: Any) -> tuple[Any, int, float, int]:
-    """(profile, KV blocks per decode instance, decode KV GB in all, decode KV tokens in all); sets the
-    config's decode blocks from --decode-hbm-gb when given."""
-    from calibration.profile import LatencyProfile
-
-    profile = LatencyProfile.load(config.profile)
-    block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
-    if args.decode_hbm_gb is not None:
-        config.topology.decode_kv_blocks = max(1, int(args.decode_hbm_gb / block_gb))
-    decode_blocks = config.topology.decode_kv_blocks or profile.decode_blocks()
-    return (profile, decode_blocks, decode_blocks * block_gb * config.topology.num_decode,
-            decode_blocks * profile.block_size * config.topology.num_decode)
-
-
 def run(args: argparse.Namespace) -> int:
     from sim.cli import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
     from sim.tune.executor import Runs
@@ -155,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     thresholds = thresholds_of(args)
     modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
-    grid = build_grid(_list(args.ttls, "ttls"), thresholds, _list(args.leases, "leases"), _list(args.gap_quantiles, "gap-quantiles"),
-                      modes, args.max_retained_hbm_pct if args.learnt else None)
+    grid = build_grid(float_list(args.ttls, "ttls"), thresholds, float_list(args.leases, "leases"),
+                      float_list(args.gap_quantiles, "gap-quantiles"), modes,
+                      args.max_retained_hbm_pct if args.learnt else None)
     plots_dir = prepare_dir(args.plots, "--plots") if args.plots else None
     conversations = load_conversations(config)
     workload = describe_workload(config, conversations)
