@@ -80,6 +80,7 @@ class PathReason(enum.Enum):
     LAPSED_TOO_LONG = "lapsed_too_long"  # the hold lapsed longer ago than lapsed_s
     D_FULL = "d_full"  # D has no free sequence slot, or its KV use is at the busy line
     D_PREFILL_BUSY = "d_prefill_busy"  # D already took on d_pending_tokens of suffix work
+    D_UNAVAILABLE = "d_unavailable"  # the D that holds it is out of rotation, or failed before answering
     SHORT_SUFFIX = "short_suffix"  # isl_bounding: the suffix is short in tokens and as a share
     SUFFIX_TOO_LONG = "suffix_too_long"  # isl_bounding: at or above suffix_tokens
     SUFFIX_SHARE_TOO_HIGH = "suffix_share_too_high"  # isl_bounding: at or above suffix_ratio of the prompt

@@ -50,6 +50,7 @@ from impl.router.connections import (BodyBudgetFull, BodyTimeout, ByteBudget, Cl
                                      raise_fd_limit)
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
 from impl.router.metrics import RouterMetrics
+from impl.router.on_d import OnDRouting
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
 from impl.router.proxy import TurnProxy, body_too_large_response, error_response, unauthenticated_response
 from impl.router.request import (Endpoint, RequestError, check_context_budget, client_cache_salt, parse_json_body,
@@ -152,6 +153,8 @@ class Router:
         self.proxy = TurnProxy(self.config, self.session, self.prefill, self.decode, self.conversations, self.hub, self.metrics,
                                self.upstream_headers, lambda: self.notify_url)
         self.proxy.renew_for_read = self.heartbeats.renew_for_read
+        if self.config.prefill_on_d != "off":
+            self.proxy.on_d = OnDRouting(self.config.prefill_on_d_policy(), self.prefill, self.decode)
         if self.trace is not None:
             self.proxy.tracer = TurnTracer(self.trace, self.lineage, self.metrics, self.public_names)
         if self.config.learnt_retention_budget_tokens > 0:

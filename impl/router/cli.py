@@ -18,9 +18,10 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from impl.router.config import FLAG_HELP, PLACEMENTS, RouterConfig, build_config, host_port_urls, load_toml
+from impl.router.config import (FLAG_HELP, PLACEMENTS, PREFILL_ON_D_POLICIES, RouterConfig, build_config, host_port_urls,
+                                 load_toml)
 
-_CHOICES = {"placement": PLACEMENTS, "loop": ("auto", "asyncio", "uvloop"),
+_CHOICES = {"placement": PLACEMENTS, "loop": ("auto", "asyncio", "uvloop"), "prefill_on_d": PREFILL_ON_D_POLICIES,
             "log_level": ("debug", "info", "warning", "error")}
 
 

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from impl.policy.prefill_on_d import POLICIES as PREFILL_ON_D_POLICIES, PrefillOnD
 from impl.router.stores import check_store_url
 
 PLACEMENTS = ("round_robin", "least_loaded", "kv_aware")
@@ -103,6 +104,12 @@ class RouterConfig:
     store_retry_s: float = 1.0  # after a failed Redis call, turns skip it this long (no timeout each)
     store_max_connections: int = 16  # to Redis; more concurrent calls queue (redis-py's own pool fails at 100)
     store_prefix: str = "bidikv:"  # Redis key prefix: routers sharing one store use the same one
+    # prefill on D (impl.policy.prefill_on_d, impl.router.on_d): the simulator's settings of the same names
+    prefill_on_d: str = "off"
+    prefill_on_d_suffix_tokens: int = 2048
+    prefill_on_d_suffix_ratio: float = 0.7
+    prefill_on_d_p_busy_tokens: int = 16384
+    prefill_on_d_d_pending_tokens: int = 8192
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
 
@@ -151,12 +158,22 @@ class RouterConfig:
         if self.learnt_retention_min_returns < 1:
             raise ValueError(f"learnt_retention_min_returns must be >= 1, got {self.learnt_retention_min_returns}")
         check_store_url(self.store)
+        try:
+            self.prefill_on_d_policy()
+        except ValueError as e:
+            message = str(e)
+            raise ValueError("prefill_on_d " + message[len("policy "):] if message.startswith("policy ")
+                             else "prefill_on_d_" + message) from None
         if self.store_max_connections < 1:
             raise ValueError(f"store_max_connections must be >= 1, got {self.store_max_connections}")
         for name in ("notify_wait_s", "expiry_margin_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def prefill_on_d_policy(self) -> PrefillOnD:
+        return PrefillOnD(self.prefill_on_d, self.prefill_on_d_suffix_tokens, self.prefill_on_d_suffix_ratio,
+                          self.prefill_on_d_p_busy_tokens, self.prefill_on_d_d_pending_tokens)
 
     def require_upstreams(self) -> None:
         if not self.prefill:
@@ -249,6 +266,19 @@ FLAG_HELP: dict[str, str] = {
     "store_retry_s": "after a failed conversation-store call, turns skip the store for this long",
     "store_prefix": "key prefix of this router fleet's entries in Redis",
     "store_max_connections": "connections to Redis; calls beyond them wait for one (at most --store-timeout-s)",
+    "prefill_on_d": "send a later turn whole to the D that holds its conversation (no P leg: D computes the new "
+                    "suffix from its prefix cache; its other sequences wait for it): off; isl_bounding = when the "
+                    "suffix (bounded from the new messages' bytes) is below --prefill-on-d-suffix-tokens and "
+                    "--prefill-on-d-suffix-ratio of the prompt; prefill_load = when the least-loaded P has "
+                    "--prefill-on-d-p-busy-tokens in flight; isl_or_load = either (rules of NVIDIA Dynamo's "
+                    "conditional disaggregation). A D that fails before answering: the turn goes through P",
+    "prefill_on_d_suffix_tokens": "prefill on D (isl_bounding, isl_or_load): the suffix must be below this many tokens",
+    "prefill_on_d_suffix_ratio": "prefill on D (isl_bounding, isl_or_load): the suffix must be below this share of "
+                                 "the prompt",
+    "prefill_on_d_p_busy_tokens": "prefill on D (prefill_load, isl_or_load): P counts as busy with this many "
+                                  "estimated prompt tokens in flight on the least-loaded P",
+    "prefill_on_d_d_pending_tokens": "prefill on D: most suffix tokens sent to one D and not yet answered (its first "
+                                     "token) before later turns go through P instead",
     "loop": "event loop implementation",
     "log_level": "logging level",
 }

@@ -179,6 +179,13 @@ class RouterMetrics:
         self.learnt_expected_returns = r.add(Counter(p + "learnt_retention_expected_returns_total", "Sum over "
                                                      "learnt holds of the estimated chance the conversation returns "
                                                      "within its hold: the reuse the router expects."))
+        self.turn_paths = r.add(Counter(p + "turn_paths_total", "Turns by the path that served them (prefill_on_d: "
+                                        "sent whole to the D holding the conversation, --prefill-on-d; pull_to_p: P "
+                                        "pulled D's blocks; recompute_on_p) and why (the prefill-on-D policy's reason, "
+                                        "impl/policy/prefill_on_d.py: off, short_suffix, p_busy, suffix_too_long, "
+                                        "suffix_share_too_high, p_not_busy, d_prefill_busy, d_unavailable, ...; "
+                                        "fallback: sent to D, which failed before answering, then served through P).",
+                                        ("path", "reason")))
         self.tokens_reused = r.add(Counter(p + "tokens_reused_total", "remote_num_tokens offered to P on hits "
                                            "(P pulls fewer when its own prefix cache covers part or below its threshold)."))
         self.ttft = r.add(Histogram(p + "ttft_seconds", "Router-observed time to first token: request received to "

@@ -39,11 +39,13 @@ from aiohttp import web
 from impl.policy import ConversationEntry, Lookup, MissReason
 from impl.policy.history_key import add_anchor_length, anchor_lengths
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
+from impl.policy.prefill_on_d import PathDecision, PathReason, TurnPath
 from impl.policy.prefix_check import REPORT_KEY
 from impl.policy.return_time import RETENTION_KEY
 from impl.router.capture import TurnCapture
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
+from impl.router.on_d import ON_D_PARAMS, OnDRouting
 from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest, shown_id
@@ -185,10 +187,26 @@ class TurnProxy:
         self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
         self.tracer: TurnTracer | None = None  # --trace-out (set by the app)
         self.retention: RouterRetention | None = None  # --learnt-retention-budget-tokens (set by the app)
+        self.on_d: OnDRouting | None = None  # --prefill-on-d (set by the app)
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
         offered, given_back, key, miss = await self._lookup(turn, tenant)
+        path = _OFF
+        if self.on_d is not None and offered is not None:
+            path, d = self.on_d.choose(turn, offered)
+            if d is not None:  # the whole request to the D that holds the conversation (impl.router.on_d)
+                served = await self._turn(request, turn, tenant, t0, offered, given_back, key, miss, path, d)
+                if served is not None:
+                    return served
+                # D failed before its answer began: the P path serves the turn (nothing reached the client)
+                path = PathDecision(TurnPath.PULL_TO_P, PathReason.D_UNAVAILABLE, path.suffix_tokens)
+        return await self._turn(request, turn, tenant, t0, offered, given_back, key, miss, path, None)
+
+    async def _turn(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float,
+                    offered: ConversationEntry | None, given_back: bool, key: tuple[str, str] | None, miss: str | None,
+                    path: PathDecision, on_d: Upstream | None) -> web.StreamResponse | None:
+        """One turn through P then D, or (``on_d``) through that D alone; None if ``on_d`` could not take it."""
         request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
         headers = dict(self.upstream_headers)
         headers["X-Request-Id"] = request_id
@@ -196,7 +214,8 @@ class TurnProxy:
         offered_tokens = offered.num_tokens if offered is not None else 0
 
         try:
-            prefill = await self._prefill(turn, shared, offered, headers, key)
+            prefill = (PrefillResult(on_d, dict(ON_D_PARAMS)) if on_d is not None
+                       else await self._prefill(turn, shared, offered, headers, key))
         except (UpstreamFailure, _PassThrough) as e:
             failed = e.response() if isinstance(e, UpstreamFailure) else e.response
             if self.tracer is not None:
@@ -205,6 +224,7 @@ class TurnProxy:
                                    report=None, capture=None, prefill=None, decode=None, finished_after_s=None)
             return failed
 
+        p_name = prefill.upstream.name if on_d is None else None
         storable = turn.match != "none" and turn.view is not None
         d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
         learnt = None
@@ -223,15 +243,19 @@ class TurnProxy:
             d_fields["return_token_ids"] = True
         payload = shared.encode(d_fields)
         # what this turn got, for clients that measure (bidikv bench): names and counts, never KV locations
-        info = {"X-Bidikv-Prefill": prefill.upstream.name,
-                "X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
+        info = {"X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
                 "X-Bidikv-Reuse-Match": turn.match if offered is not None else "none"}
+        if p_name:  # absent for a turn served on D: no P leg
+            info["X-Bidikv-Prefill"] = p_name
         if prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
         if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
             info["X-Bidikv-Reuse-Given-Back"] = "1"
-        if offered is not None:
+        if offered is not None and on_d is None:
             self._account_reuse(prefill, info, key)
+        served = _served_path(path, on_d, offered, prefill.reuse_report)
+        info["X-Bidikv-Path"], info["X-Bidikv-Path-Reason"] = served.value, path.reason.value
+        self.metrics.turn_paths.inc(served.value, path.reason.value)
         handed_off = recorded = False
         stored_key: tuple[str, str] | None = None
 
@@ -252,8 +276,8 @@ class TurnProxy:
             if stored is None:
                 self.metrics.turns_not_stored.inc("no_token_ids")
                 return
-            if turn.match == "history":  # the next turn looks its P up under this key
-                self._remember_affinity((tenant, stored), prefill.upstream.name, turn.estimated_tokens)
+            if turn.match == "history" and p_name:  # the next turn looks its P up under this key
+                self._remember_affinity((tenant, stored), p_name, turn.estimated_tokens)
             stored_key = (tenant, stored)
             if turn.anchored:  # listed before it is stored: a next turn then waits for a pending update
                 directory = turn.anchor_directory(capture.answer, capture.output_token_ids)
@@ -266,31 +290,45 @@ class TurnProxy:
 
         response: web.StreamResponse | None = None
         capture = upstream = None
+        answered = None
+        fell_back = False
+        if on_d is not None:  # its suffix is D's pending work until D's first token (or the end)
+            self.on_d.sent(on_d, path.suffix_tokens)
+            answered = _once(lambda: self.on_d.answered(on_d, path.suffix_tokens))
         try:
             if turn.stream:
-                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info, record)
+                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info, record,
+                                                                        on_d, answered)
             else:
-                response, capture, upstream = await self._decode_json(turn, payload, headers, info, t0)
+                response, capture, upstream = await self._decode_json(turn, payload, headers, info, t0, on_d)
             if not recorded and capture is not None and upstream is not None:
                 await record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
             return response
+        except _DecodeUnavailable:
+            fell_back = True
+            self.metrics.turn_paths.inc(TurnPath.PREFILL_ON_D.value, "fallback")
+            return None
         finally:
+            if answered is not None:
+                answered()
             if token is not None and not handed_off:
                 self.hub.close(request_id)
+            if fell_back:
+                return None  # the P path serves the turn and traces and logs it  # noqa: B012
             if self.tracer is not None:
                 self.tracer.record(turn=turn, tenant=tenant, request_id=request_id, arrival=_wall(t0),
                                    status=response.status if response is not None else 499,
                                    stored=stored_key[1] if stored_key is not None else None, offered=offered_tokens,
                                    miss=miss, prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
-                                   report=prefill.reuse_report, capture=capture, prefill=prefill.upstream.name,
+                                   report=prefill.reuse_report, capture=capture, prefill=p_name,
                                    decode=upstream.name if upstream is not None else None,
-                                   finished_after_s=self.clock() - t0)
+                                   finished_after_s=self.clock() - t0, path=served.value)
             # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
             # "miss": why nothing was offered (the reuse_misses label; "-" on a hit)
-            turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s next=%s", request_id,
+            turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s path=%s next=%s", request_id,
                           info["X-Bidikv-Reuse-Match"], shown_id(key[1]) if key else "-",
                           offered.num_tokens if offered is not None else 0, miss or "-",
-                          prefill.upstream.name, shown_id(stored_key[1]) if stored_key else "-")
+                          p_name or "-", served.value, shown_id(stored_key[1]) if stored_key else "-")
 
     # -- 1. lookup --------------------------------------------------------------------------------
     async def _lookup(self, turn: TurnRequest, tenant: str
@@ -504,13 +542,20 @@ class TurnProxy:
         return UpstreamFailure(502, f"{role} failed ({type(exc).__name__})"), False
 
     # -- 3./4. decode -----------------------------------------------------------------------------
-    async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str]) -> tuple[UpstreamResponse, Upstream]:
-        """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough."""
+    async def _open_decode(self, turn: TurnRequest, payload: bytes, headers: dict[str, str],
+                           only: Upstream | None = None) -> tuple[UpstreamResponse, Upstream]:
+        """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough. With
+        ``only``, that D or _DecodeUnavailable (the caller serves the turn another way)."""
         tried: set[str] = set()
         stale_retries = STALE_RETRIES
         last_failure = UpstreamFailure(503, "no decode instance is available")
         while True:
-            upstream = self.decode.pick(turn.estimated_tokens, tried)
+            if only is not None:
+                upstream = only if only.name not in tried else None
+                if upstream is None:
+                    raise _DecodeUnavailable(last_failure.message)
+            else:
+                upstream = self.decode.pick(turn.estimated_tokens, tried)
             if upstream is None:
                 raise last_failure
             tried.add(upstream.name)
@@ -537,9 +582,9 @@ class TurnProxy:
             last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
 
     async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str], info: dict[str, str],
-                           t0: float) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+                           t0: float, only: Upstream | None = None) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
-            resp, upstream = await self._open_decode(turn, payload, headers)
+            resp, upstream = await self._open_decode(turn, payload, headers, only)
         except UpstreamFailure as e:
             return e.response(), None, None
         except _PassThrough as e:
@@ -565,9 +610,10 @@ class TurnProxy:
 
     async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
                              t0: float, info: dict[str, str], record: Callable[[TurnCapture, Upstream], Awaitable[None]],
+                             only: Upstream | None = None, first_token: Callable[[], None] | None = None,
                              ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
         try:
-            resp, upstream = await self._open_decode(turn, payload, headers)
+            resp, upstream = await self._open_decode(turn, payload, headers, only)
         except UpstreamFailure as e:
             return e.response(), None, None
         except _PassThrough as e:
@@ -603,6 +649,8 @@ class TurnProxy:
                         first_token_seen = True
                         capture.first_token_s = self.clock() - t0
                         self.metrics.ttft.observe(capture.first_token_s)
+                        if first_token is not None:
+                            first_token()
                     data = b"".join(parts) if len(parts) > 1 else parts[0]
                     if resp.complete:
                         final = data  # the loop ends here: goes out with write_eof below
@@ -661,6 +709,39 @@ class _EventStreamResponse(web.StreamResponse):
         if coalesce_headers:
             # aiohttp's own switch (web.Response turns it off); an aiohttp without it ignores this
             self._send_headers_immediately = False
+
+
+class _DecodeUnavailable(Exception):
+    """The one D a turn was sent to could not take it before answering (prefill on D falls back to P)."""
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
+
+
+_OFF = PathDecision(TurnPath.RECOMPUTE_ON_P, PathReason.OFF, 0)
+
+
+def _served_path(decision: PathDecision, on_d: Upstream | None, offered: ConversationEntry | None,
+                 report: dict[str, Any] | None) -> TurnPath:
+    """Which of the three the turn got: on D, or through P pulling (what P's report says it pulled, or, from
+    a P that sends no report, that it was offered D's blocks) or recomputing."""
+    if on_d is not None:
+        return TurnPath.PREFILL_ON_D
+    if offered is None:
+        return TurnPath.RECOMPUTE_ON_P
+    pulled = report.get("pulled") if isinstance(report, dict) else None
+    if type(pulled) is int:
+        return TurnPath.PULL_TO_P if pulled > 0 else TurnPath.RECOMPUTE_ON_P
+    return TurnPath.PULL_TO_P
 
 
 class _PassThrough(Exception):

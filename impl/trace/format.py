@@ -12,7 +12,8 @@ then one line per finished or failed turn::
      "prompt_tokens": <int|null>, "cached_tokens": <int|null>, "output_tokens": <int|null>,
      "offered": <int>, "verified": <int|null>, "pulled": <int|null>,
      "ttft_s": <float|null>, "tpot_s": <float|null>, "finish_s": <seconds after t|null>,
-     "prefill": "<instance>"|null, "decode": "<instance>"|null}
+     "prefill": "<instance>"|null, "decode": "<instance>"|null,
+     "path": "pull_to_p"|"prefill_on_d"|"recompute_on_p"|null}
 
 What it never holds: text, token ids, API keys, conversation ids as sent. ``tenant`` and ``conversation``
 are keyed hashes (HMAC-SHA256 with a salt the operator holds, truncated to 64 bits): equal within one
@@ -38,6 +39,7 @@ from typing import Any
 FORMAT = "bidikv-router-trace"
 VERSION = 1
 MATCHES = ("id", "prompt_cache_key", "history", "none")
+PATHS = ("pull_to_p", "prefill_on_d", "recompute_on_p")  # impl.policy.prefill_on_d.TurnPath's values
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,8 @@ class TraceTurn:
     finish_s: float | None = None
     prefill: str | None = None
     decode: str | None = None
+    # pull_to_p | prefill_on_d | recompute_on_p (impl.policy.prefill_on_d.TurnPath); null: a router before it
+    path: str | None = None
 
     def line(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -139,6 +143,8 @@ def parse_turn(obj: Any, where: str) -> TraceTurn:
             values[name] = value
     if values["match"] not in MATCHES:
         raise TraceError(f"{where}: field 'match' must be one of {', '.join(MATCHES)}, got {values['match']!r}")
+    if values.get("path") is not None and values["path"] not in PATHS:
+        raise TraceError(f"{where}: field 'path' must be one of {', '.join(PATHS)}, got {values['path']!r}")
     return TraceTurn(**values)
 
 
