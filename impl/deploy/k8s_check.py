@@ -258,7 +258,8 @@ def _vllm_container(t: _Template) -> dict[str, Any] | None:
 
 
 def _server_problems(templates: list[_Template]) -> Iterator[str]:
-    from calibration.hardware import DATA_DIR, PRESETS, load_hardware
+    from calibration.hardware import PRESETS, load_hardware
+    from impl.deploy.k8s_render import preset_facts
 
     servers = [(t, _vllm_container(t)) for t in templates if t.labels.get(COMPONENT) in ("prefill", "decode")]
     servers = [(t, c) for t, c in servers if c is not None]
@@ -290,7 +291,7 @@ def _server_problems(templates: list[_Template]) -> Iterator[str]:
                    f"({', '.join(PRESETS.values())}), got {instance_type!r}")
             continue
         hw = load_hardware(by_type[instance_type])
-        interfaces = json.loads((DATA_DIR / f"hardware_{hw.key}.json").read_text())["efa_interfaces"]
+        interfaces = preset_facts(hw.key)["efa_interfaces"]
         if gpus > hw.gpus_per_node:
             yield f"{where}: requests {gpus} {GPU}, more than the {hw.gpus_per_node} of one {instance_type}"
         if efa > interfaces:

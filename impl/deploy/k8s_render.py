@@ -42,7 +42,6 @@ Dynamo's EFA guide (https://docs.nvidia.com/dynamo/dev/kubernetes-deployment/clo
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -91,9 +90,10 @@ class Rendered:
     warnings: list[str] = field(default_factory=list)
 
 
-def instance_facts(config: DeployConfig) -> dict[str, Any]:
-    """The raw preset file: EFA interfaces, vCPUs and RAM are read from it (each with its source URL there)."""
-    return jsondata.read_json(DATA_DIR / f"hardware_{config.instance.key}.json")
+def preset_facts(key: str) -> dict[str, Any]:
+    """The raw preset file of ``key`` (``p5en``): EFA interfaces, vCPUs and RAM are read from it (each with
+    its source URL there)."""
+    return jsondata.read_json(DATA_DIR / f"hardware_{key}.json")
 
 
 def _k(config: DeployConfig) -> KubernetesSettings:
@@ -196,7 +196,7 @@ class _PodShape:
 
 def _pod_shape(config: DeployConfig) -> _PodShape:
     k = _k(config)
-    facts = instance_facts(config)
+    facts = preset_facts(config.instance.key)
     per_node = config.instance.gpus_per_node
     gpus = min(config.model.tensor_parallel_size, per_node)
     share = gpus / per_node
@@ -503,14 +503,6 @@ def to_yaml(objects: list[dict[str, Any]]) -> str:
                    for o in objects)
 
 
-_ARG_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def arg_variables(text: str) -> list[str]:
-    """The ``$(VAR)`` references Kubernetes expands in a container's command and args."""
-    return _ARG_VAR.findall(text)
-
-
-__all__ = ["ALERTS_FILE", "DASHBOARD_FILE", "Rendered", "SECRET_KEYS", "arg_variables", "instance_facts",
+__all__ = ["ALERTS_FILE", "DASHBOARD_FILE", "Rendered", "SECRET_KEYS", "preset_facts",
            "load_alert_rules", "pod_dns", "render_manifests", "server_name", "store_url", "to_yaml",
            "upstream_urls"]

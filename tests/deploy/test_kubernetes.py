@@ -15,7 +15,10 @@ import stat
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from calibration.hardware import PRESETS, load_hardware
 from impl.deploy.cli import main
 from impl.deploy.config import DeployConfigError, parse_config
 from impl.deploy.k8s_check import KUBERNETES_VERSION, check_manifests, consistency_problems, schema_problems
@@ -455,3 +458,44 @@ def test_the_shipped_deploy_toml_renders_and_passes_every_check():
     config = load_config(DEPLOY_DIR / "deploy.toml")
     assert config.kubernetes is not None and config.kubernetes.router_replicas == 2
     assert check_manifests(render_manifests(config, "on", ENV).objects) == []
+
+
+# --- any valid deploy.toml renders manifests that pass every check -------------------------------------
+
+
+@st.composite
+def _configs(draw):
+    instance = draw(st.sampled_from(sorted(v for k, v in PRESETS.items() if k != "trn2")))
+    per_node = load_hardware(instance).gpus_per_node
+    tp = draw(st.sampled_from([1, 2, 4, per_node, 2 * per_node, 3 * per_node]))
+    config = k8s_sample(prefill=draw(st.integers(1, 6)), decode=draw(st.integers(1, 6)), tp=tp,
+                        router_replicas=draw(st.integers(1, 4)), monitoring=draw(st.booleans()),
+                        hugepages=draw(st.sampled_from(["", "2Gi", "5120Mi"])),
+                        model_cache=draw(st.sampled_from(["", "/opt/dlami/nvme/hf"])),
+                        store=draw(st.sampled_from(["statefulset", "redis://cache.internal:6379/1"])),
+                        name=draw(st.sampled_from(["bidikv", "p-d-7"])), namespace=draw(st.sampled_from(["bidikv", "llm"])))
+    config["deploy"]["instance_type"] = instance
+    if draw(st.booleans()):
+        config["connector"].update(bidikv_retention="lease", bidikv_heartbeat_port=draw(st.integers(5700, 5710)))
+    block = draw(st.sampled_from([None, "16", "32"]))
+    if block:
+        for role in ("prefill", "decode"):
+            config[role]["extra_args"] = ["--block-size", block]
+    env = {k: v for k, v in {"BIDIKV_STORE_PASSWORD": "pw", "BIDIKV_API_KEYS": draw(st.sampled_from(["", "a=k"])),
+                             "BIDIKV_UPSTREAM_API_KEY": draw(st.sampled_from(["", "up"])),
+                             "HF_TOKEN": draw(st.sampled_from(["", "hf"]))}.items() if v}
+    if "BIDIKV_API_KEYS" in env:
+        env["BIDIKV_METRICS_TOKEN"] = "m"
+    return config, env, draw(st.sampled_from(["on", "off"]))
+
+
+@settings(max_examples=40)
+@given(_configs())
+def test_any_valid_config_renders_manifests_that_pass_every_check(drawn):
+    config, env, mode = drawn
+    rendered = render(config, mode, env)
+    assert check_manifests(rendered.objects) == []
+    k = config["kubernetes"]
+    router = container(by(rendered.objects, "Deployment", f"{k['name']}-router"))
+    assert len(flag(router["args"], "--decode")) == k["decode_replicas"]
+    assert [o["metadata"]["namespace"] for o in rendered.objects[1:]] == [k["namespace"]] * (len(rendered.objects) - 1)
