@@ -157,7 +157,7 @@ def test_every_dashboard_expression_parses_and_names_exported_metrics(panel):
 
 def test_the_dashboard_covers_what_the_issue_lists():
     text = " ".join(t["expr"] for p in _panels() for t in p["targets"])
-    for metric in ("bidikv_router_reuse_hits_total", "bidikv_router_reuse_matches_total",
+    for metric in ("bidikv_router_reuse_hits_total", "bidikv_router_reuse_matches_total", "bidikv_router_turn_paths_total",
                    "bidikv_router_reuse_misses_total", "bidikv_router_reuse_verified_tokens_total",
                    "vllm:bidikv_prefix_tokens_total", "vllm:bidikv_given_back_blocks_total",
                    "vllm:bidikv_give_back_seconds_total", "vllm:num_requests_waiting_by_reason",
