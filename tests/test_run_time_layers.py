@@ -83,6 +83,17 @@ def test_deploy_has_loaded_nothing_of_the_simulator():
     assert _simulator(loaded) == []
 
 
+def test_deploy_manifests_has_loaded_nothing_of_the_simulator():
+    code = ("import contextlib, io, os\n"
+            "os.environ['BIDIKV_STORE_PASSWORD'] = 'x'\n"
+            "from impl.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    assert main(['deploy', 'manifests', '--config', 'impl/deploy/deploy.toml']) == 0\n")
+    loaded = _loaded(code)
+    assert {"impl.deploy.k8s_render", "impl.deploy.k8s_check"} <= loaded
+    assert _simulator(loaded) == []
+
+
 def test_the_connector_as_vllm_loads_it_has_loaded_nothing_of_the_simulator():
     # vLLM imports kv_connector_module_path ("impl.connector") and takes NixlConnector from it; the
     # connector then reads its extra config, with the cost profile of the break-even threshold
