@@ -166,9 +166,11 @@ class RouterMetrics:
         # --learnt-retention-budget-tokens (impl.router.retention): fleet-wide figures, never per tenant
         self.learnt_retention = r.add(Gauge(p + "learnt_retention", "Learnt per-turn retention, by figure: "
                                             "budget_tokens, price_per_token_s (the value of a token-second of D's memory "
-                                            "it set to fit the budget), planned_tokens (retained KV its estimate "
-                                            "expects), correction (how far what it asked D to hold ran from that "
-                                            "estimate), held_tokens (what it asked D to hold and is held now).",
+                                            "set to fit a tenant's share of the budget; the highest tenant's), "
+                                            "planned_tokens (retained KV the estimates expect, summed over tenants), "
+                                            "correction (how far what was asked of D ran from that estimate; the "
+                                            "largest tenant's), held_tokens (what was asked of D and is held now, "
+                                            "summed).",
                                             ("figure",)))
         self.learnt_holds = r.add(Counter(p + "learnt_retention_holds_total", "Holds the router asked D for, by "
                                           "kind (learnt; none: the turn is not expected back soon enough to be "

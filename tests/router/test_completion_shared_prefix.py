@@ -49,3 +49,21 @@ async def test_a_prompt_that_continues_another_conversations_prefix_only_is_not_
         other = SHARED + "User B: something else entirely, at length.\n"
         assert _offered(await dep.completion(other)) == 0
         assert _offered(await dep.completion(a + r.answer + "\nUser A: next.\n")) > 0
+
+
+async def test_across_two_replicas_sharing_redis_each_conversation_still_finds_its_own_turn(redis_server):
+    from tests.router.test_fleet import Fleet
+
+    async with Fleet(redis_server.url, n=2) as fleet:
+        prompts = [SHARED + f"User {c}: question one.\n" for c in range(4)]
+        hits = 0
+        for turn in range(3):
+            for c in range(4):
+                replica = (turn + c) % 2  # each turn on the other replica than the conversation's last
+                r = await fleet.post(replica, "/v1/completions", {"model": "fake-model", "prompt": prompts[c],
+                                                                   "max_tokens": 16, "stream": False})
+                assert r.status == 200
+                await fleet.settle()
+                hits += turn > 0 and _offered(r) > 0
+                prompts[c] = prompts[c] + r.body["choices"][0]["text"] + f"\nUser {c}: and then {turn}.\n"
+        assert hits == 8
