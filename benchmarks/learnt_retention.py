@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(name, f"lease {t:g} s", base, {"retention": "lease", "lease_s": t, "heartbeat_interval_s": t / 3})
                  for t in LEASES_S]
         # as `bidikv tune` evaluates it: D's TTL the longest hold (D cuts none short), the router asks for less
-        jobs.append((name, "learnt", base, {"retention": "learnt", "learnt_budget_pct": args.budget_pct,
+        jobs.append((name, "learnt", base, {"retention": "learnt", "learnt_retention_budget_pct": args.budget_pct,
                                             "decoder_kv_blocks_ttl": LEARNT_D_TTL_S}))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         results = {(w, label): (fig, cpu) for w, label, fig, cpu in pool.map(_one, jobs)}

@@ -16,7 +16,7 @@ the router's defaults (10 s head timeout) unless flags say otherwise.
 come back every 3-8 s; after ``--warmup-s`` (A's holds are learnt: its price is re-set every 60 s) and
 ``--phase-s`` more alone, tenant B sends ``--b-turns`` first turns that never return over the next
 ``--phase-s``. The router runs ``--learnt-retention-budget-tokens 400
---learnt-retention-min-returns 5 --decoder-kv-blocks-ttl-s 3605``; D records the hold asked with each
+--learnt-retention-min-returns 5 --decoder-kv-blocks-ttl 3605``; D records the hold asked with each
 turn. Printed: A's holds before and during B's flood (mean, how many 0), B's, and the router's
 ``held_tokens`` against the budget at the end of each phase.
 
@@ -467,7 +467,7 @@ def run_in_process(mode: str, args: argparse.Namespace) -> None:
         extra = args.router_args.split()
         if mode == "retention":
             flags = ["--learnt-retention-budget-tokens", "400", "--learnt-retention-min-returns", "5",
-                     "--decoder-kv-blocks-ttl-s", "3605", "--open-metrics", *extra]
+                     "--decoder-kv-blocks-ttl", "3605", "--open-metrics", *extra]
         else:
             flags = [*extra]
         env = dict(os.environ, PYTHONPATH=str(ROOT), BIDIKV_API_KEYS="tenantA=key-a,tenantB=key-b")

@@ -32,6 +32,8 @@ import pathlib
 import sys
 from typing import Any, Callable, Sequence
 
+from impl.old_flags import add_refused_flags
+from impl.policy import catalogue
 from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
 from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, distribution, fields_of, percentile
 from sim.workload import WORKLOAD_HELP, WORKLOAD_KINDS
@@ -105,6 +107,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 kw["type"] = number(type(default)) if isinstance(default, (int, float)) else str
                 kw["metavar"] = _metavar(f.name, default)
             group.add_argument(_flag(f.name), **kw)
+    add_refused_flags(parser, catalogue.SIM)
     w = parser.add_argument_group("workload")
     kinds = "; ".join(f"{kind}: {WORKLOAD_HELP[kind]}" for kind in WORKLOAD_KINDS).replace("%", "%%")
     w.add_argument("--workload", dest="workload_kind", default=None, choices=WORKLOAD_KINDS,

@@ -9,8 +9,10 @@ What is read, and from where:
   builds (the router's flags come from ``impl.router.config.FLAG_HELP`` through ``impl.router.cli``);
 * ``router.md``: the flags of ``python -m impl.router`` (the same parser as ``bidikv router``) and the
   TOML keys of its ``--config`` file, from the fields of ``impl.router.config.RouterConfig``;
-* ``connector.md``: every ``kv_connector_extra_config`` key ``impl.connector.config`` accepts, with the
-  meaning from that module's table and the default from the code;
+* ``connector.md``: every ``kv_connector_extra_config`` key ``impl.connector.config`` accepts, with its
+  default, bounds and meaning from ``impl.policy.catalogue``;
+* ``settings.md``: every setting of ``impl.policy.catalogue`` with its name on each surface, the policies of
+  each registry, and the old names that are refused;
 * ``metrics.md``: every metric of ``impl.router.metrics.RouterMetrics`` (instantiated, its registry
   walked) and every metric the connector registers on vLLM's ``/metrics``
   (``impl.connector.stats.BidikvPromMetrics`` instantiated with recording metric classes; needs the
@@ -171,50 +173,28 @@ def router_page() -> str:
 
 # --- the connector --------------------------------------------------------------------------------
 
-def _docstring_table(doc: str) -> dict[str, tuple[str, str]]:
-    """key -> (default as written, meaning) from the reST simple table in impl/connector/config.py."""
-    rules = [i for i, line in enumerate(doc.splitlines()) if re.fullmatch(r"=+( +=+)+", line.strip())]
-    if len(rules) < 3:
-        return {}
-    lines = doc.splitlines()
-    rule = lines[rules[0]]
-    starts = [m.start() for m in re.finditer(r"=+", rule)]
-    table: dict[str, tuple[str, str]] = {}
-    key = None
-    for line in lines[rules[1] + 1:rules[2]]:
-        cols = [line[s:e].strip() for s, e in zip(starts, starts[1:] + [len(line) + 1])]
-        cols = [c for c in cols] + [""] * (3 - len(cols))
-        if cols[0]:
-            key = cols[0]
-            table[key] = (cols[1], cols[2])
-        elif key is not None:
-            default, meaning = table[key]
-            table[key] = (default + (" " + cols[1] if cols[1] else ""), (meaning + " " + cols[2]).strip())
-    return table
-
-
-def _rst_to_md(text: str) -> str:
-    return _text(text.replace("``", "`"))
+def _value(value: object) -> str:
+    """A default as the file or JSON that carries it writes it."""
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return _code(str(value).lower())
+    if isinstance(value, str):
+        return _code(f'"{value}"')
+    return _code(f"{value:g}" if isinstance(value, float) else str(value))
 
 
 def connector_page() -> str:
     import impl.connector.config as cfg
+    from impl.policy import catalogue
 
-    table = _docstring_table(cfg.__doc__ or "")
-    code_defaults: dict[str, object] = {}
-    for key, (_, default) in {**cfg._LEASE_KEYS, **cfg._GAP_KEYS, **cfg._GIVE_BACK_KEYS}.items():
-        code_defaults[key] = default
     settings = cfg.ConnectorSettings()
-    for key in cfg._OTHER_KEYS:
-        name = key.removeprefix("bidikv_")
-        name = {"recompute_policy": "recompute"}.get(name, name)
-        if hasattr(settings, name):
-            code_defaults[key] = getattr(settings, name)
     lines = ["# Connector keys", "",
              "The connector is loaded with `\"kv_connector\": \"NixlConnector\", \"kv_connector_module_path\": "
              "\"impl.connector\"`; these keys go in `kv_connector_extra_config`. Every key below is one "
-             "`impl/connector/config.py` accepts (`KNOWN_BIDIKV_KEYS`); any other `bidikv_*` key is rejected at "
-             "start-up, naming it, and so is a key of a retention policy that is not selected.", "",
+             "`impl/connector/config.py` accepts (`KNOWN_BIDIKV_KEYS`, the connector settings of "
+             "`impl/policy/catalogue.py`: [all settings](settings.md)); any other `bidikv_*` key is rejected at "
+             "start-up, naming it, and so is a key of a policy that is not selected.", "",
              "## vLLM's own keys", "",
              "They keep vLLM's meaning and are only type-checked. One default differs: `num_threads` (UCX "
              "worker threads) is "
@@ -227,22 +207,44 @@ def connector_page() -> str:
              "| `kv_lease_duration` | (vLLM's) |",
              "| `backends` | `[\"UCX\"]` |", "",
              "## bidikv's keys", "",
-             "| key | default (code) | meaning |", "| --- | --- | --- |"]
-    for key in sorted(cfg.KNOWN_BIDIKV_KEYS, key=lambda k: (list(table).index(k) if k in table else len(table), k)):
-        written, meaning = table.get(key, ("", "(not described in impl/connector/config.py's table)"))
-        if key in code_defaults:
-            value = code_defaults[key]
-            default = _code(str(value).lower() if isinstance(value, bool) else
-                            ("(none)" if value is None else (f'"{value}"' if isinstance(value, str) else repr(value))))
-        else:
-            default = _text(written.replace("``", "`"))
-        if key == "bidikv_gap_initial_s":
-            default = "`decoder_kv_blocks_ttl`"
-        lines.append(f"| `{key}` | {default} | {_rst_to_md(meaning)} |")
-    lines += ["", "Choices: `bidikv_recompute_policy` " + " \\| ".join(f"`{c}`" for c in cfg.RECOMPUTE_POLICIES)
-              + "; `bidikv_retention` " + " \\| ".join(f"`{c}`" for c in cfg.RETENTION_POLICIES)
-              + "; `bidikv_retained_under_pressure` " + " \\| ".join(f"`{c}`" for c in cfg.RETAINED_UNDER_PRESSURE)
-              + "."]
+             "| key | default | accepts | meaning |", "| --- | --- | --- | --- |"]
+    for setting in cfg.SETTINGS:
+        if setting.key() not in cfg.KNOWN_BIDIKV_KEYS:
+            continue
+        meaning = (catalogue.selector_help(setting.name, catalogue.CONNECTOR) if setting.family is not None
+                   else setting.help)
+        lines.append(f"| `{setting.key()}` | {_value(setting.default)} | {_text(setting.bounds(catalogue.CONNECTOR))} "
+                     f"| {_text(meaning)} |")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the catalogue --------------------------------------------------------------------------------
+
+def settings_page() -> str:
+    from impl.policy import catalogue
+
+    surfaces = catalogue.SURFACES
+    lines = ["# Settings", "",
+             "Every policy setting of bidikv, one entry each in `impl/policy/catalogue.py`, with the name it has on "
+             "every surface that carries it: the simulator's TOML key and flag (`bidikv simulate`, `bidikv tune`), "
+             "the connector's `kv_connector_extra_config` key, the router's TOML key and flag. A name that changed "
+             "is refused, naming the new one (table at the end).", "",
+             "| setting | unit | default | accepts | simulator | connector | router | meaning |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in catalogue.SETTINGS:
+        where = {catalogue.SIM: _code(s.flag()), catalogue.CONNECTOR: _code(s.key()), catalogue.ROUTER: _code(s.flag())}
+        cells = [where[surface] if surface in s.surfaces else "" for surface in surfaces]
+        lines.append(f"| `{s.name}` | {s.unit} | {_value(s.default)} | {_text(s.bounds())} | " + " | ".join(cells)
+                     + f" | {_text(s.help)} |")
+    lines += ["", "## Policies", "", "Chosen by name through one registry per family.", "",
+              "| family | selector | policy | runs on | what it does |", "| --- | --- | --- | --- | --- |"]
+    for family, registry in catalogue.REGISTRIES.items():
+        for policy in registry:
+            lines.append(f"| {family} | `{registry.selector}` | `{policy.name}` | "
+                         f"{', '.join(x for x in surfaces if x in policy.surfaces)} | {_text(policy.help)} |")
+    lines += ["", "## Old names", "", "| was | now |", "| --- | --- |"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in catalogue.RENAMED.items()]
+    lines += [f"| `{name}` ({surface}) | removed: {_text(why)} |" for (surface, name), why in catalogue.REMOVED.items()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -317,7 +319,8 @@ def metrics_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-PAGES = {"cli.md": cli_page, "router.md": router_page, "connector.md": connector_page, "metrics.md": metrics_page}
+PAGES = {"cli.md": cli_page, "router.md": router_page, "connector.md": connector_page, "settings.md": settings_page,
+         "metrics.md": metrics_page}
 
 
 def generate() -> dict[str, str]:

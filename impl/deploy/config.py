@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from calibration.hardware import PRESETS, Hardware, load_hardware
 from impl.connector.config import ConfigError as ConnectorConfigError
+from impl.policy import catalogue
 from impl.connector.config import ConnectorSettings
 from impl.deploy.k8s_config import KubernetesSettings, parse_kubernetes
 from impl.router.config import url_host
@@ -48,11 +49,14 @@ DEFAULT_TRANSFER_ENV = (("FI_PROVIDER", "efa"), ("FI_EFA_USE_DEVICE_RDMA", "1"))
 # (impl/connector/README.md): a 1 ms NIXL progress-thread delay and a 5 s idle-step wait each add
 # latency that a 192-vCPU p5en does not need to save, so the recipe restores vLLM's behaviour.
 # num_threads is added only without UCX (see _connector_extra).
+def _key(name: str) -> str:
+    return catalogue.setting(name).key()
+
+
 DEFAULT_CONNECTOR = {
-    "kv_recompute_threshold": 64,
-    "decoder_kv_blocks_ttl": 480,
-    "bidikv_nixl_progress_delay_us": 0,
-    "bidikv_idle_step_sleep_s": 0,
+    **{_key(name): catalogue.default(name) for name in ("kv_recompute_threshold", "decoder_kv_blocks_ttl")},  # vLLM's
+    _key("nixl_progress_delay_us"): 0,
+    _key("idle_step_sleep_s"): 0,
 }
 # Keys the renderer sets itself; accepting them in [connector] would let the file contradict --mode.
 CONNECTOR_KEYS_OWNED = {
@@ -65,8 +69,9 @@ ENV_OWNED = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "CUDA
 VLLM_FLAGS_OWNED = ("--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size",
                     "--max-model-len", "--kv-transfer-config", "--enable-prefix-caching",
                     "--no-enable-prefix-caching")
-ROUTER_FLAGS_OWNED = ("--prefill", "--decode", "--host", "--port", "--notify", "--no-notify", "--notify-url",
-                      "--decoder-kv-blocks-ttl-s", "--config")
+_notify = catalogue.setting("notify").flag()
+ROUTER_FLAGS_OWNED = ("--prefill", "--decode", "--host", "--port", _notify, "--no-" + _notify[2:], "--notify-url",
+                      catalogue.setting("decoder_kv_blocks_ttl").flag(), "--config")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SSH_TARGET = re.compile(r"^[A-Za-z0-9_.@:\[\]%-]+$")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from impl.deploy.config import DeployConfig, DeployConfigError, Server
+from impl.policy import catalogue
 
 MODES = ("on", "off")
 STEPS = ("decode", "prefill", "router", "bench", "report")
@@ -125,16 +126,16 @@ def router_ttl_s(config: DeployConfig) -> float:
     smaller of the two, so for a lease or a learned TTL the cap is the right bound."""
     s = config.connector_settings
     if s.retention == "lease":
-        return s.lease["max_hold_s"]
+        return s.values["lease_max_hold_s"]
     if s.retention == "gap_quantile":
-        return s.gap["cap_s"]
+        return s.values["gap_cap_s"]
     return s.decoder_kv_blocks_ttl
 
 
 def router_args(config: DeployConfig, mode: str, prefill: list[str], decode: list[str], notify_base: str) -> list[str]:
     """The router's flags in front of the given P and D URLs; D notifies ``notify_base``/internal/kv_params."""
     argv = ["--prefill", *prefill, "--decode", *decode, "--port", str(config.router.port),
-            "--decoder-kv-blocks-ttl-s", f"{router_ttl_s(config):g}"]
+            catalogue.setting("decoder_kv_blocks_ttl").flag(), f"{router_ttl_s(config):g}"]
     if mode == "on":
         argv += ["--notify", "--notify-url", f"{notify_base}/internal/kv_params"]
     else:

@@ -3,6 +3,8 @@ vLLM connector and router (impl/).
 
 Reading guide, one concern per module:
 
+* :mod:`~impl.policy.catalogue`    -- every setting (one name, default, bounds, help) and the registries
+  that choose each family's policy by name; every surface is built from it
 * :mod:`~impl.policy.recompute`    -- pull KV from a peer or recompute it (``kv_recompute_threshold``)
 * :mod:`~impl.policy.retention`    -- how long D keeps a finished turn's blocks (``decoder_kv_blocks_ttl``)
 * :mod:`~impl.policy.pressure`     -- which retained blocks go first when a decode node runs short

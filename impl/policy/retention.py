@@ -30,19 +30,24 @@ class RetentionPolicy(Protocol):
         ...
 
 
+# vLLM's decoder_kv_blocks_ttl default (vllm/config/kv_transfer.py): every policy that starts from it reads it here
+VLLM_TTL_S = 480.0
+
+
 def _check_seconds(name: str, value: float, *, allow_inf: bool = True) -> None:
+    # "a duration", not "seconds": FixedTTL's argument is called seconds, and the catalogue names it
     if math.isnan(value) or value < 0 or (not allow_inf and math.isinf(value)):
-        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a non-negative duration in s{'' if allow_inf else ', finite'}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class FixedTTL:
     """vLLM's ``decoder_kv_blocks_ttl``: finish + TTL, never renewed. ``inf`` keeps blocks until pressure."""
 
-    seconds: float = 480.0
+    seconds: float = VLLM_TTL_S
 
     def __post_init__(self) -> None:
-        _check_seconds("decoder_kv_blocks_ttl_s", self.seconds)
+        _check_seconds("seconds", self.seconds)
 
     def expiry_on_finish(self, now: float) -> float:
         return now + self.seconds
@@ -108,7 +113,7 @@ class GapQuantileTTL:
     quantile: float = 0.9
     cap_s: float = 900.0
     floor_s: float = 10.0
-    initial_s: float = 480.0
+    initial_s: float = VLLM_TTL_S
     min_samples: int = 20
     window: int = 2048
     margin_s: float = 5.0  # P declines reads within 5 s of expiry: keep that much beyond the gap

@@ -42,6 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from impl.policy.retention import VLLM_TTL_S
+
 # Bin edges of the gap (seconds from a turn's finish to its conversation's next arrival): finer where
 # most returns fall (Mooncake: p10 42 s, p50 126 s, p90 480 s), and the last edge is the longest hold
 # the learnt retention ever answers.
@@ -326,7 +328,7 @@ class LearntRetentionSettings:
     # the retained KV the fleet may hold on average, in the unit the caller sizes turns in (the simulator:
     # blocks; the router: tokens); inf: only what a hold is worth limits it
     budget_size: float = math.inf
-    fallback_s: float = 480.0  # until a tenant has min_returns returns: vLLM's decoder_kv_blocks_ttl
+    fallback_s: float = VLLM_TTL_S  # until a tenant has min_returns returns: vLLM's decoder_kv_blocks_ttl
     min_returns: int = 20
     margin_s: float = 5.0  # P declines reads this close to expiry: a hold of T covers returns before T
     window_turns: int = 1024  # the recent turns whose rate, mix and sizes the price is set from

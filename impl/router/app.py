@@ -25,7 +25,7 @@ is logged here and answered with a bare 500.
 vLLM settings the router relies on (P and D run NixlConnector with ``bidirectional_kv_xfer: true``):
 P with ``kv_load_failure_policy: "recompute"`` (a declined or failed pull then falls back to local
 compute instead of failing the turn), D's ``decoder_kv_blocks_ttl`` equal to the router's
-``decoder_kv_blocks_ttl_s``, and ``VLLM_NIXL_SIDE_CHANNEL_HOST`` reachable under the instance's HTTP
+``decoder_kv_blocks_ttl``, and ``VLLM_NIXL_SIDE_CHANNEL_HOST`` reachable under the instance's HTTP
 host unless ``rewrite_remote_host`` is turned off.
 """
 
@@ -163,7 +163,7 @@ class Router:
                 LearntRetentionSettings(budget_size=c.learnt_retention_budget_tokens, fallback_s=c.learnt_retention_fallback_s,
                                         margin_s=c.expiry_margin_s, max_open=c.max_conversations,
                                         min_returns=c.learnt_retention_min_returns),
-                self.metrics, self.proxy.clock, c.max_conversations, c.decoder_kv_blocks_ttl_s)
+                self.metrics, self.proxy.clock, c.max_conversations, c.decoder_kv_blocks_ttl)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()

@@ -18,11 +18,14 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from impl.router.config import (FLAG_HELP, PLACEMENTS, PREFILL_ON_D_POLICIES, RouterConfig, build_config, host_port_urls,
-                                 load_toml)
+from impl.old_flags import add_refused_flags
+from impl.policy import catalogue
+from impl.policy.catalogue import REGISTRIES, ROUTER
+from impl.router.config import FLAG_HELP, RouterConfig, build_config, host_port_urls, load_toml
 
-_CHOICES = {"placement": PLACEMENTS, "loop": ("auto", "asyncio", "uvloop"), "prefill_on_d": PREFILL_ON_D_POLICIES,
-            "log_level": ("debug", "info", "warning", "error")}
+_CHOICES = {"loop": ("auto", "asyncio", "uvloop"), "log_level": ("debug", "info", "warning", "error"),
+            # the catalogue's selectors: the policies of their registry the router runs
+            **{s.name: REGISTRIES[s.family].names(ROUTER) for s in catalogue.on(ROUTER) if s.family}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs["type"] = str
         parser.add_argument(flag, **kwargs)
+    add_refused_flags(parser, ROUTER)
     compat = parser.add_argument_group("vLLM proxy compatibility")
     compat.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=None, metavar="HOST",
                         help="prefill hosts, paired in order with --prefiller-ports (vLLM's proxy flags)")

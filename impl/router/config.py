@@ -14,10 +14,13 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from impl.policy.prefill_on_d import POLICIES as PREFILL_ON_D_POLICIES, PrefillOnD
+from impl.policy import catalogue
+from impl.policy.catalogue import PLACEMENT, PREFILL_ON_D, ROUTER
+from impl.policy.prefill_on_d import PrefillOnD
 from impl.router.stores import check_store_url
 
-PLACEMENTS = ("round_robin", "least_loaded", "kv_aware")
+PLACEMENTS = PLACEMENT.names(ROUTER)
+_d = catalogue.default  # the catalogue's settings (impl/policy/catalogue.py) take their default from it
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class RouterConfig:
     # asking for more is refused here instead of reaching P and D
     max_model_len: int = 0
     expose_upstream_urls: bool = False  # debug: X-Bidikv-Prefill/-Decode carry URLs instead of instance names
-    placement: str = "round_robin"
+    placement: str = _d("placement")
     seed: int = 0  # placement tie-breaking
     health_interval_s: float = 2.0
     health_timeout_s: float = 3.0  # a busy vLLM can answer /health late; that alone is not death
@@ -83,16 +86,16 @@ class RouterConfig:
     decode_idle_timeout_s: float = 300.0  # longest silence allowed between D's bytes
     upstream_max_connections: int = 0  # per upstream instance; 0 = unbounded keep-alive pool
     upstream_keepalive_s: float = 4.0  # below vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): never reuse a closed one
-    notify: bool = True  # ask D's connector to post its kv_transfer_params (vLLM 0.32 path)
+    notify: bool = _d("notify")  # ask D's connector to post its kv_transfer_params (vLLM 0.32 path)
     notify_url: str | None = None  # URL D uses to reach /internal/kv_params; derived if unset
     notify_wait_s: float = 2.0  # how long after D's stream ends to wait for that notification
-    decoder_kv_blocks_ttl_s: float = 480.0  # must equal D's decoder_kv_blocks_ttl
+    decoder_kv_blocks_ttl: float = _d("decoder_kv_blocks_ttl")  # must equal D's decoder_kv_blocks_ttl
     # learnt per-turn retention (impl.router.retention): off at 0; the KV tokens, summed over all D, that
     # the holds the router asks for may keep retained on average
-    learnt_retention_budget_tokens: float = 0.0
-    learnt_retention_min_returns: int = 20  # per tenant, before the learnt holds replace the fallback
-    learnt_retention_fallback_s: float = 480.0  # the hold asked until then (vLLM's default TTL)
-    expiry_margin_s: float = 5.0  # P declines reads this close to expiry (vLLM: 5 s)
+    learnt_retention_budget_tokens: float = _d("learnt_retention_budget_tokens")
+    learnt_retention_min_returns: int = _d("learnt_retention_min_returns")
+    learnt_retention_fallback_s: float = _d("learnt_retention_fallback_s")
+    expiry_margin_s: float = _d("expiry_margin_s")
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     heartbeat_retry_s: float = 10.0  # a listener that timed out or refused is not asked again this long
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does
@@ -105,19 +108,17 @@ class RouterConfig:
     store_max_connections: int = 16  # to Redis; more concurrent calls queue (redis-py's own pool fails at 100)
     store_prefix: str = "bidikv:"  # Redis key prefix: routers sharing one store use the same one
     # prefill on D (impl.policy.prefill_on_d, impl.router.on_d): the simulator's settings of the same names
-    prefill_on_d: str = "off"
-    prefill_on_d_suffix_tokens: int = 2048
-    prefill_on_d_suffix_ratio: float = 0.7
-    prefill_on_d_p_busy_tokens: int = 16384
-    prefill_on_d_d_pending_tokens: int = 8192
+    prefill_on_d: str = _d("prefill_on_d")
+    prefill_on_d_suffix_tokens: int = _d("prefill_on_d_suffix_tokens")
+    prefill_on_d_suffix_ratio: float = _d("prefill_on_d_suffix_ratio")
+    prefill_on_d_p_busy_tokens: int = _d("prefill_on_d_p_busy_tokens")
+    prefill_on_d_d_pending_tokens: int = _d("prefill_on_d_d_pending_tokens")
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(normalize_base_url(u, "prefill") for u in self.prefill))
         object.__setattr__(self, "decode", tuple(normalize_base_url(u, "decode") for u in self.decode))
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"loop must be auto, asyncio or uvloop, got {self.loop!r}")
         if not 0 <= self.port <= 65535:
@@ -144,36 +145,29 @@ class RouterConfig:
         if self.upstream_max_connections < 0:
             raise ValueError(f"upstream_max_connections must be >= 0, got {self.upstream_max_connections}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl_s", "upstream_keepalive_s", "heartbeat_timeout_s",
+                     "decode_idle_timeout_s", "decoder_kv_blocks_ttl", "upstream_keepalive_s", "heartbeat_timeout_s",
                      "heartbeat_retry_s", "store_timeout_s", "store_retry_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not (self.learnt_retention_budget_tokens >= 0):  # nan fails too
-            raise ValueError(f"learnt_retention_budget_tokens must be >= 0 (0: off), got "
-                             f"{self.learnt_retention_budget_tokens!r}")
-        if not (self.learnt_retention_fallback_s >= 0 and math.isfinite(self.learnt_retention_fallback_s)):
-            raise ValueError(f"learnt_retention_fallback_s must be a finite number of seconds >= 0, got "
-                             f"{self.learnt_retention_fallback_s!r}")
-        if self.learnt_retention_min_returns < 1:
-            raise ValueError(f"learnt_retention_min_returns must be >= 1, got {self.learnt_retention_min_returns}")
+        for setting in catalogue.on(ROUTER):  # kind and bounds from the catalogue (D's TTL > 0 above: the router's own)
+            try:
+                setting.check(getattr(self, setting.name), ROUTER)
+            except ValueError as e:
+                raise ValueError(f"{setting.name} {e}") from None
         check_store_url(self.store)
-        try:
-            self.prefill_on_d_policy()
-        except ValueError as e:
-            message = str(e)
-            raise ValueError("prefill_on_d " + message[len("policy "):] if message.startswith("policy ")
-                             else "prefill_on_d_" + message) from None
+        self.prefill_on_d_policy()  # its rules beyond each setting's bounds, naming the settings
         if self.store_max_connections < 1:
             raise ValueError(f"store_max_connections must be >= 1, got {self.store_max_connections}")
-        for name in ("notify_wait_s", "expiry_margin_s"):
+        for name in ("notify_wait_s",):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def prefill_on_d_policy(self) -> PrefillOnD:
-        return PrefillOnD(self.prefill_on_d, self.prefill_on_d_suffix_tokens, self.prefill_on_d_suffix_ratio,
-                          self.prefill_on_d_p_busy_tokens, self.prefill_on_d_d_pending_tokens)
+        """The catalogue's prefill-on-D policy from this router's settings (D's busy fraction and the lapse
+        allowance keep their defaults: the router has no flag for them)."""
+        return PREFILL_ON_D.build(self.prefill_on_d, {s.name: getattr(self, s.name) for s in catalogue.on(ROUTER)})
 
     def require_upstreams(self) -> None:
         if not self.prefill:
@@ -229,7 +223,6 @@ FLAG_HELP: dict[str, str] = {
                      "0: learn each model's max_model_len from the instances' /v1/models",
     "expose_upstream_urls": "debug: name P and D by URL in X-Bidikv-Prefill/X-Bidikv-Decode (default: instance names "
                             "prefill-N/decode-N, so clients do not learn internal addresses)",
-    "placement": "how P and D instances are chosen",
     "seed": "seed of placement tie-breaking",
     "health_interval_s": "seconds between health probes of each upstream",
     "health_timeout_s": "timeout of one health probe",
@@ -239,20 +232,8 @@ FLAG_HELP: dict[str, str] = {
     "decode_idle_timeout_s": "longest silence allowed between bytes of D's response",
     "upstream_max_connections": "connection pool bound per upstream (0: unbounded)",
     "upstream_keepalive_s": "idle upstream connections are closed after this; keep it below vLLM's 5 s keep-alive",
-    "notify": "ask D's connector to post its kv_transfer_params to the router (vLLM 0.32 path)",
     "notify_url": "URL decode instances use to reach this router's /internal/kv_params",
     "notify_wait_s": "how long to wait for D's notification after its stream ended",
-    "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl (how long D keeps a turn's blocks)",
-    "expiry_margin_s": "do not offer blocks this close to their expiry",
-    "learnt_retention_budget_tokens": "learn each turn's retention on D from the returns the router sees "
-                                      "(impl/policy/return_time.py) and ask D for it with the turn; the value is the "
-                                      "KV tokens, summed over all decode instances, it may keep retained on average "
-                                      "(inf: only a hold's worth limits it). 0: off, D's decoder_kv_blocks_ttl for "
-                                      "every turn. D's TTL stays the longest any turn is kept",
-    "learnt_retention_min_returns": "returns a tenant's conversations must have made before its turns get learnt "
-                                    "holds (until then: --learnt-retention-fallback-s)",
-    "learnt_retention_fallback_s": "the hold the router asks for before a tenant has made enough returns (capped, as "
-                                   "every hold, by --decoder-kv-blocks-ttl-s: D's TTL)",
     "heartbeat_timeout_s": "timeout of relaying one client heartbeat to D's heartbeat listener",
     "heartbeat_retry_s": "after D's heartbeat listener timed out or refused, heartbeats and give-back renewals skip "
                          "it for this long (counted as outcome 'skipped'; a renewal then keeps D's published expiry)",
@@ -266,22 +247,12 @@ FLAG_HELP: dict[str, str] = {
     "store_retry_s": "after a failed conversation-store call, turns skip the store for this long",
     "store_prefix": "key prefix of this router fleet's entries in Redis",
     "store_max_connections": "connections to Redis; calls beyond them wait for one (at most --store-timeout-s)",
-    "prefill_on_d": "send a later turn whole to the D that holds its conversation (no P leg: D computes the new "
-                    "suffix from its prefix cache; its other sequences wait for it): off; isl_bounding = when the "
-                    "suffix (bounded from the new messages' bytes) is below --prefill-on-d-suffix-tokens and "
-                    "--prefill-on-d-suffix-ratio of the prompt; prefill_load = when the least-loaded P has "
-                    "--prefill-on-d-p-busy-tokens in flight; isl_or_load = either (rules of NVIDIA Dynamo's "
-                    "conditional disaggregation). A D that fails before answering: the turn goes through P",
-    "prefill_on_d_suffix_tokens": "prefill on D (isl_bounding, isl_or_load): the suffix must be below this many tokens",
-    "prefill_on_d_suffix_ratio": "prefill on D (isl_bounding, isl_or_load): the suffix must be below this share of "
-                                 "the prompt",
-    "prefill_on_d_p_busy_tokens": "prefill on D (prefill_load, isl_or_load): P counts as busy with this many "
-                                  "estimated prompt tokens in flight on the least-loaded P",
-    "prefill_on_d_d_pending_tokens": "prefill on D: most suffix tokens sent to one D and not yet answered (its first "
-                                     "token) before later turns go through P instead",
     "loop": "event loop implementation",
     "log_level": "logging level",
 }
+# the catalogue's settings: their help is the catalogue's (one entry each, impl/policy/catalogue.py)
+FLAG_HELP.update({s.name: s.help for s in catalogue.on(ROUTER)})
+FLAG_HELP.update({s.name: catalogue.selector_help(s.name, ROUTER) for s in catalogue.on(ROUTER) if s.family})
 assert set(FLAG_HELP) == FIELD_NAMES, "every config field needs one line of help"
 
 
@@ -319,16 +290,25 @@ def load_toml(path: str) -> dict[str, Any]:
     table = data.get("router", data)
     if not isinstance(table, dict):
         raise ValueError(f"{path}: [router] must be a table")
+    _refuse_old_names(table, path)
     unknown = sorted(set(table) - FIELD_NAMES)
     if unknown:
         raise ValueError(f"{path}: unknown setting(s): {', '.join(unknown)}")
     return dict(table)
 
 
+def _refuse_old_names(table: Mapping[str, Any], where: str) -> None:
+    for key in table:
+        why = catalogue.old_name_message(key, ROUTER) if key not in FIELD_NAMES else None
+        if why is not None:
+            raise ValueError(f"{where}: {why}")
+
+
 def build_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> RouterConfig:
     """Defaults, then the file's values, then the overrides (flags given on the command line)."""
     values: dict[str, Any] = {}
     for source in (file_values or {}, overrides or {}):
+        _refuse_old_names(source, "settings")
         for key, value in source.items():
             if key not in FIELD_NAMES:
                 raise ValueError(f"unknown setting {key!r}")

@@ -242,7 +242,7 @@ class HeartbeatRelay:
                                   "not_held", "conversation_id"), "not_held"
         # D's figures, bounded by what D's retention can grant: never longer than D's TTL or the hold it
         # published with the turn, whichever is longer (a broken D answering 1e9 s is not believed)
-        cap = max(self.config.decoder_kv_blocks_ttl_s, entry.expires_at - entry.stored_at)
+        cap = max(self.config.decoder_kv_blocks_ttl, entry.expires_at - entry.stored_at)
         in_s = min(answer["expires_in_s"], cap)
         expires_at = sent_at + in_s
         if answer["renewed"] and expires_at > entry.expires_at:

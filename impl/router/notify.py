@@ -42,7 +42,7 @@ the router relays a conversation's heartbeats (:mod:`impl.router.heartbeat`,
 (``bidikv_heartbeat_port``).
 
 ``expires_in_s`` exists because ``remote_blocks_expiry_time`` is D's ``time.perf_counter()``, which
-means nothing on the router's clock; without it the router assumes ``decoder_kv_blocks_ttl_s`` from
+means nothing on the router's clock; without it the router assumes ``decoder_kv_blocks_ttl`` from
 the moment D's stream ended.
 
 Replies: 204 accepted; 400 malformed body (names the field); 403 wrong token; 404 unknown or

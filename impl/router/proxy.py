@@ -402,7 +402,7 @@ class TurnProxy:
         try:
             got = await self.store.get(tenant, directory)
             old = got.entry if got is not None else None
-            expires = max(now + self.config.decoder_kv_blocks_ttl_s, old.expires_at if old is not None else now)
+            expires = max(now + self.config.decoder_kv_blocks_ttl, old.expires_at if old is not None else now)
             params = add_anchor_length(old.kv_params if old is not None else None, length)
             await self.store.record_success(tenant, directory, ConversationEntry("", params, expires, 0, 0, None, now), now)
         except StoreUnavailable:

@@ -140,7 +140,7 @@ class TurnRecorder:
         params.pop(NOTIFY_KEY, None)
         if self.config.rewrite_remote_host:
             params["remote_host"] = upstream.host
-        ttl = self.config.decoder_kv_blocks_ttl_s
+        ttl = self.config.decoder_kv_blocks_ttl
         if notification is not None and notification.expires_in_s is not None:
             # the connector's own clock, carried over as a duration from when it arrived
             expires_at = min(finished_at + ttl, notification.received_at + notification.expires_in_s)

@@ -38,7 +38,7 @@ class Settings:
 
     ttls_s: Sequence[float]
     thresholds: Sequence[str]
-    learnt_budget_pct: float
+    learnt_retention_budget_pct: float
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _ttls(modes: dict[str, Any]) -> Callable[[Settings], list[dict[str, Any]]]:
 
 
 def _learnt(s: Settings) -> list[dict[str, Any]]:
-    return [{"retention": "learnt", "learnt_budget_pct": s.learnt_budget_pct, "decoder_kv_blocks_ttl": LEARNT_D_TTL_S,
+    return [{"retention": "learnt", "learnt_retention_budget_pct": s.learnt_retention_budget_pct, "decoder_kv_blocks_ttl": LEARNT_D_TTL_S,
              **_threshold_policy(threshold), **mode} for threshold in s.thresholds for mode in (PINNED, GIVE_BACK)]
 
 
@@ -102,7 +102,7 @@ def setting_label(policy: dict[str, Any]) -> str:
     parts = []
     retention = policy.get("retention", "ttl")
     if retention == "learnt":
-        parts.append(f"learnt (budget {policy['learnt_budget_pct']:g} %)")
+        parts.append(f"learnt (budget {policy['learnt_retention_budget_pct']:g} %)")
     elif retention == "ttl":
         parts.append(f"ttl={_fmt_s(policy.get('decoder_kv_blocks_ttl', 480.0))}")
     else:

@@ -22,9 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from impl.policy import catalogue
 from sim.tune.grid import Candidate
 
-VLLM_DEFAULT_THRESHOLD = "64"  # kv_recompute_threshold's default in vLLM
+VLLM_DEFAULT_THRESHOLD = str(catalogue.default("kv_recompute_threshold"))  # vLLM's, as a candidate names it
 OBJECTIVES = {"ttft_p50": "ttft_p50_ms", "ttft_p90": "ttft_p90_ms", "ttft_p99": "ttft_p99_ms",
               "compute": "tokens_recomputed"}
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from impl.policy import catalogue
+from impl.policy.catalogue import CONNECTOR, UNDER_PRESSURE
 from impl.policy.return_time import LearntRetentionSettings
 
 # Finite only: vLLM's decoder_kv_blocks_ttl (and our connector and router) take a number of seconds,
@@ -19,7 +21,10 @@ DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
 LEARNT_D_TTL_S = LearntRetentionSettings().longest_hold_s
 # what D does with retained blocks when its pool runs short (sim.config.PolicyConfig.retained_under_pressure):
 # vLLM's pinned blocks and bidikv's give-back, each configuration under both
-DECODE_MODES = ("pinned", "give_back")
+DECODE_MODES = UNDER_PRESSURE.names(CONNECTOR)  # the deployable ones (not the simulator's instant_drop bound)
+# vLLM's defaults, the reference every configuration is compared with
+VLLM_TTL_S = catalogue.default("decoder_kv_blocks_ttl")
+VLLM_THRESHOLD = catalogue.default("kv_recompute_threshold")
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class Candidate:
 
     @property
     def threshold(self) -> str:
-        return "break_even" if self.policy.get("recompute_policy") == "break_even" else str(self.policy.get("kv_recompute_threshold", 64))
+        return "break_even" if self.policy.get("recompute_policy") == "break_even" else str(self.policy.get("kv_recompute_threshold", VLLM_THRESHOLD))
 
 
 def _threshold_policy(threshold: str) -> dict[str, Any]:
@@ -51,9 +56,9 @@ def _fmt_s(seconds: float) -> str:
 
 def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[str] = DEFAULT_THRESHOLDS,
                leases_s: Sequence[float] = DEFAULT_LEASES_S, gap_quantiles: Sequence[float] = DEFAULT_GAP_QUANTILES,
-               decode_modes: Sequence[str] = DECODE_MODES, learnt_budget_pct: float | None = None) -> list[Candidate]:
+               decode_modes: Sequence[str] = DECODE_MODES, learnt_retention_budget_pct: float | None = None) -> list[Candidate]:
     """Fixed TTL x threshold, then lease and gap-quantile retention x threshold, and the learnt per-turn
-    retention within ``learnt_budget_pct`` (None: not evaluated) x threshold, each under every decode mode
+    retention within ``learnt_retention_budget_pct`` (None: not evaluated) x threshold, each under every decode mode
     (pinned rows keep their plain labels: vLLM's behaviour; give_back rows say so)."""
     for mode in decode_modes:
         if mode not in DECODE_MODES:
@@ -61,7 +66,7 @@ def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[st
     if not decode_modes:
         raise ValueError("--decode-modes: name at least one of " + ", ".join(DECODE_MODES))
     out: list[Candidate] = []
-    for base in _retention_grid(ttls_s, thresholds, leases_s, gap_quantiles, learnt_budget_pct):
+    for base in _retention_grid(ttls_s, thresholds, leases_s, gap_quantiles, learnt_retention_budget_pct):
         for mode in decode_modes:
             if mode == "pinned":
                 out.append(Candidate(base.label, {**base.policy, "retained_under_pressure": "pinned"}))
@@ -71,7 +76,7 @@ def build_grid(ttls_s: Sequence[float] = DEFAULT_TTLS_S, thresholds: Sequence[st
 
 
 def _retention_grid(ttls_s: Sequence[float], thresholds: Sequence[str], leases_s: Sequence[float],
-                    gap_quantiles: Sequence[float], learnt_budget_pct: float | None) -> list[Candidate]:
+                    gap_quantiles: Sequence[float], learnt_retention_budget_pct: float | None) -> list[Candidate]:
     out: list[Candidate] = []
     for threshold in thresholds:
         tp = _threshold_policy(threshold)
@@ -89,18 +94,19 @@ def _retention_grid(ttls_s: Sequence[float], thresholds: Sequence[str], leases_s
             if not 0 < q <= 1:
                 raise ValueError(f"--gap-quantiles: {q!r} must be in (0, 1]")
             out.append(Candidate(f"gap_q={q:g} thr={threshold}", {"retention": "gap_quantile", "gap_quantile": q, **tp}))
-        if learnt_budget_pct is not None:
-            if not 0 < learnt_budget_pct < math.inf:
-                raise ValueError(f"learnt retention budget {learnt_budget_pct!r} must be a finite percentage > 0")
-            out.append(Candidate(f"learnt thr={threshold}", {"retention": "learnt", "learnt_budget_pct": learnt_budget_pct,
+        if learnt_retention_budget_pct is not None:
+            if not 0 < learnt_retention_budget_pct < math.inf:
+                raise ValueError(f"learnt retention budget {learnt_retention_budget_pct!r} must be a finite percentage > 0")
+            out.append(Candidate(f"learnt thr={threshold}", {"retention": "learnt", "learnt_retention_budget_pct": learnt_retention_budget_pct,
                                                              "decoder_kv_blocks_ttl": LEARNT_D_TTL_S, **tp}))
     return out
 
 
 REFERENCES = (
     Candidate("OFF (one-way transfer)", {"bidirectional": False}, kind="baseline_off"),
-    Candidate("vLLM default (ttl=480s thr=64)", {"retention": "ttl", "decoder_kv_blocks_ttl": 480.0,
-                                                 "recompute_policy": "fixed", "kv_recompute_threshold": 64}, kind="default"),
+    Candidate(f"vLLM default (ttl={_fmt_s(VLLM_TTL_S)} thr={VLLM_THRESHOLD})",
+              {"retention": "ttl", "decoder_kv_blocks_ttl": VLLM_TTL_S, "recompute_policy": "fixed",
+               "kv_recompute_threshold": VLLM_THRESHOLD}, kind="default"),
     Candidate("oracle", {"retention": "oracle", "recompute_policy": "break_even"}, kind="oracle"),
 )
 

@@ -17,7 +17,10 @@ import pathlib
 import shlex
 from typing import Any, Sequence
 
+from impl.policy import catalogue
+from impl.policy.catalogue import CONNECTOR, RETENTION, UNDER_PRESSURE
 from sim.tune.frontier import OBJECTIVES, VLLM_DEFAULT_THRESHOLD, Point
+from sim.tune.grid import VLLM_TTL_S
 
 # The deploy recipe's ports (impl/deploy/deploy.toml): P's and D's HTTP servers, the router, and D's
 # lease-heartbeat listener (apart from D's HTTP 8200 and NIXL side channel 5601, which it would clash with).
@@ -69,7 +72,7 @@ def table(points: Sequence[Point], chosen: Point | None, objective: str) -> str:
     rows = collapse(points, chosen)
     width = max(34, *(len(row_label(r, m)) + 2 for r, m in rows))
     head = (f"{'configuration':<{width}}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'HBM GB*s':>11}{'peak GB':>8}"
-            f"{'vs 480s':>8}{'compute%':>9}{'TTFT%':>7}{'bound%':>7}{'D wait s':>9}{'preempt':>8}{'rej':>5}  ")
+            f"{f'vs {VLLM_TTL_S:g}s':>8}{'compute%':>9}{'TTFT%':>7}{'bound%':>7}{'D wait s':>9}{'preempt':>8}{'rej':>5}  ")
     lines = [f"objective: minimise {objective} (ms: TTFT; HBM: retained decode KV; compute% / TTFT%: share of the "
              "oracle's saving over bidirectional OFF -- the oracle is clairvoyant retention with time-optimal pulls, "
              "a reference, not a bound: over 100 beats it; bound%: share of the most compute any configuration can "
@@ -106,45 +109,44 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
     recipe's [connector] table, and the router command for ``topology`` = (prefill, decode) instances.
     ``decode_kv_tokens``: the KV tokens of all D together (the learnt retention's budget is a share of them)."""
     pol = point.candidate.policy
-    retention = pol.get("retention", "ttl")
-    if retention not in ("ttl", "lease", "gap_quantile", "learnt"):
+    key, flag = (lambda name: catalogue.setting(name).key()), (lambda name: catalogue.setting(name).flag())
+    retention = pol.get("retention", catalogue.default("retention"))
+    if retention not in RETENTION.names(CONNECTOR) and retention != "learnt":
         raise ValueError(f"{point.candidate.label}: retention {retention!r} has no vLLM setting (simulator only)")
     learnt = retention == "learnt"
     if learnt:
         if decode_kv_tokens is None:
             raise ValueError(f"{point.candidate.label}: the learnt retention's budget needs the decode KV tokens")
         retention = "ttl"  # on D: a TTL, the longest hold; the router asks each turn for less
-    ttl = pol.get("decoder_kv_blocks_ttl", 480.0)
+    ttl = pol.get("decoder_kv_blocks_ttl", catalogue.default("decoder_kv_blocks_ttl"))
     # D keeping nothing is one-way transfer: say so, rather than a TTL of 0 (the router refuses one)
     off = retention == "ttl" and ttl == 0
+    break_even = pol.get("recompute_policy") == "break_even"
     # the learnt holds are read by bidikv's connector (stock vLLM ignores the router's per-turn ask)
-    ours = retention != "ttl" or pol.get("recompute_policy") == "break_even" or learnt
+    ours = retention != "ttl" or break_even or learnt
     p_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
     d_extra: dict[str, Any] = {"bidirectional_kv_xfer": not off}
-    if pol.get("recompute_policy") == "break_even":
-        p_extra["bidikv_recompute_policy"] = "break_even"
-        p_extra["bidikv_cost_profile"] = profile_name
+    if break_even:
+        p_extra[key("recompute_policy")] = "break_even"
+        p_extra[key("cost_profile")] = profile_name
     else:
-        p_extra["kv_recompute_threshold"] = pol.get("kv_recompute_threshold", 64)
+        p_extra[key("kv_recompute_threshold")] = pol.get("kv_recompute_threshold",
+                                                          catalogue.default("kv_recompute_threshold"))
     if retention == "ttl" and not off:
         if not math.isfinite(ttl):
             raise ValueError(f"{point.candidate.label}: vLLM's decoder_kv_blocks_ttl must be finite")
-        d_extra["decoder_kv_blocks_ttl"] = ttl
-    elif retention == "lease":
-        # the listener the router relays client heartbeats to; without it a lease is a fixed TTL
-        d_extra.update(bidikv_retention="lease", bidikv_lease_s=pol["lease_s"],
-                       bidikv_heartbeat_interval_s=pol["heartbeat_interval_s"],
-                       bidikv_heartbeat_port=HEARTBEAT_PORT)
-    elif retention == "gap_quantile":
-        d_extra.update(bidikv_retention="gap_quantile", bidikv_gap_quantile=pol["gap_quantile"])
+        d_extra[key("decoder_kv_blocks_ttl")] = ttl
+    elif retention != "ttl":
+        d_extra[key("retention")] = retention
+        d_extra.update(_connector_keys(RETENTION.settings(retention), pol))
+        if retention == "lease":
+            # the listener the router relays client heartbeats to; without it a lease is a fixed TTL
+            d_extra[key("heartbeat_port")] = HEARTBEAT_PORT
     if pol.get("retained_under_pressure") == "give_back" and not off:
         # the router renews each retained turn through D's listener before P reads it
         ours = True
-        d_extra.update(bidikv_retained_under_pressure="give_back", bidikv_heartbeat_port=HEARTBEAT_PORT)
-        for key, field in (("bidikv_give_back_publish_window_s", "give_back_publish_window_s"),
-                           ("bidikv_give_back_headroom", "give_back_headroom")):
-            if field in pol:
-                d_extra[key] = pol[field]
+        d_extra.update({key("retained_under_pressure"): "give_back", key("heartbeat_port"): HEARTBEAT_PORT})
+        d_extra.update(_connector_keys(UNDER_PRESSURE.settings("give_back"), pol))
     base = {"kv_connector": "NixlConnector"}
     if ours:
         base["kv_connector_module_path"] = "impl.connector"
@@ -154,17 +156,18 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
     router = ["bidikv", "router", "--prefill", *(f"http://P{i}:{PREFILL_HTTP_PORT}" for i in range(num_prefill)),
               "--decode", *(f"http://D{i}:{DECODE_HTTP_PORT}" for i in range(num_decode)), "--port", str(ROUTER_PORT)]
     if retention == "ttl" and not off:
-        router += ["--decoder-kv-blocks-ttl-s", f"{ttl:g}"]
+        router += [flag("decoder_kv_blocks_ttl"), f"{ttl:g}"]
     learnt_flags: list[str] = []
     if learnt and not off:
-        budget = int(pol["learnt_budget_pct"] / 100.0 * decode_kv_tokens)
-        learnt_flags = ["--learnt-retention-budget-tokens", str(max(budget, 1)),
-                        "--learnt-retention-fallback-s", f"{pol.get('learnt_fallback_s', 480.0):g}"]
+        budget = int(pol["learnt_retention_budget_pct"] / 100.0 * decode_kv_tokens)
+        fallback = pol.get("learnt_retention_fallback_s", catalogue.default("learnt_retention_fallback_s"))
+        learnt_flags = [flag("learnt_retention_budget_tokens"), str(max(budget, 1)),
+                        flag("learnt_retention_fallback_s"), f"{fallback:g}"]
         router += learnt_flags
     # deploy.toml's [connector] is one table for P and D, without bidirectional_kv_xfer (its --mode sets it)
     connector = {k: v for k, v in {**p_extra, **d_extra}.items() if k != "bidirectional_kv_xfer"}
     if retention == "ttl":
-        connector["bidikv_retention"] = "ttl"  # the recipe's table may name another retention
+        connector[key("retention")] = "ttl"  # the recipe's table may name another retention
     out = {"prefill_kv_transfer_config": prefill, "decode_kv_transfer_config": decode,
            "router_command": shlex.join(router), "router_argv": router, "deploy_connector": connector,
            "deploy_mode": "off" if off else "on", "deploy_router_extra_args": learnt_flags}
@@ -175,6 +178,12 @@ def vllm_settings(point: Point, profile_name: str = "<profile name or path>",
                          f"every {pol['heartbeat_interval_s']:g} s while a conversation is live. A client that does "
                          f"not heartbeat gets a {pol['lease_s']:g} s TTL")
     return out
+
+
+def _connector_keys(settings: Sequence[str], policy: dict[str, Any]) -> dict[str, Any]:
+    """The connector keys of the settings a candidate sets (the others keep the connector's defaults)."""
+    return {catalogue.setting(name).key(): policy[name] for name in settings
+            if name in policy and CONNECTOR in catalogue.setting(name).surfaces}
 
 
 def recommendation_text(chosen: Point | None, profile_name: str = "<profile name or path>",
@@ -236,7 +245,7 @@ def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
 
 # One colour and marker per reference, the same in all three plots.
 _STYLE = {"baseline_off": ("OFF (one-way transfer)", "tab:gray", "X"),
-          "default": ("vLLM default (480 s, 64)", "tab:red", "s"),
+          "default": (f"vLLM default ({VLLM_TTL_S:g} s, {VLLM_DEFAULT_THRESHOLD})", "tab:red", "s"),
           "oracle": ("oracle (clairvoyant reference)", "black", "*"),
           "chosen": ("recommended", "tab:green", "D")}
 

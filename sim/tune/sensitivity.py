@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from sim.config import RENEWAL_BEHAVIOURS, SimConfig
 from sim.tune.frontier import OBJECTIVES, Point, analyse
-from sim.tune.grid import Candidate
+from sim.tune.grid import VLLM_TTL_S, Candidate
 
 SAFE_UNDER = ("never", "while_open")
 UNSTATED = "unstated"
@@ -241,7 +241,7 @@ def sensitivity_table(rows: Sequence[dict[str, Any]], main: Outcome, objective: 
     label = main.chosen.candidate.label if main.chosen else "none"
     who = ("for the stated client behaviour" if main.behaviour != UNSTATED
            else "safe under never and while_open: the worse of the two per figure")
-    figs = f"{objective:>9}{'comp%':>7}{'TTFT%':>7}{'bnd%':>6}{'vs 480s':>8}"
+    figs = f"{objective:>9}{'comp%':>7}{'TTFT%':>7}{'bnd%':>6}{f'vs {VLLM_TTL_S:g}s':>8}"
 
     def cells(f: dict[str, Any], width: int) -> str:
         if not f:
@@ -261,6 +261,6 @@ def sensitivity_table(rows: Sequence[dict[str, Any]], main: Outcome, objective: 
                      + (f" | {'':>28}{cells(under, 0)[len(under.get('label', '')):]}" if under else ""))
     lines.append("(comp% / TTFT%: share of the oracle's compute / mean-TTFT saving over bidirectional OFF -- the "
                  "oracle is a clairvoyant reference, not a bound; bnd%: share of the most compute any configuration "
-                 "can save, a true bound; vs 480s: retained HBM*s relative to vLLM's default; ! over the HBM budget; "
+                 f"can save, a true bound; vs {VLLM_TTL_S:g}s: retained HBM*s relative to vLLM's default; ! over the HBM budget; "
                  "'-' none within budget; until_next_turn knows the future: no client renews better)")
     return "\n".join(lines)

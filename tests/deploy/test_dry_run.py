@@ -103,7 +103,7 @@ def test_router_and_bench(write_config, mode):
     assert flag(argv, "--prefill") == f"http://{P_HOST}:{P_HTTP}"
     assert flag(argv, "--decode") == f"http://{D_HOST}:{D_HTTP}"
     assert flag(argv, "--port") == str(ROUTER_PORT)
-    assert float(flag(argv, "--decoder-kv-blocks-ttl-s")) == TTL_S
+    assert float(flag(argv, "--decoder-kv-blocks-ttl")) == TTL_S
     if mode == "on":
         assert "--notify" in argv
         assert flag(argv, "--notify-url") == f"http://{ROUTER_HOST}:{ROUTER_PORT}/internal/kv_params"
@@ -156,7 +156,7 @@ def test_lease_retention_bounds_the_router_entries_by_the_lease_cap(write_config
     config = sample()
     config["connector"].update(bidikv_retention="lease", bidikv_lease_s=30, bidikv_lease_max_hold_s=1200)
     [router] = dry_run(write_config(config), "router", "on")
-    assert float(flag(router, "--decoder-kv-blocks-ttl-s")) == 1200
+    assert float(flag(router, "--decoder-kv-blocks-ttl")) == 1200
 
 
 def test_without_dry_run_the_script_execs_exactly_the_printed_command(write_config, fake_python, tmp_path):

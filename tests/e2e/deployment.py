@@ -363,7 +363,7 @@ def router_process(prefill_url: str, decode_url: str, spec: DeploymentSpec, log_
     port = port or free_port()
     return Process(name, port, [
         sys.executable, "-m", "impl.router", "--prefill", prefill_url, "--decode", decode_url,
-        "--host", "127.0.0.1", "--port", str(port), "--decoder-kv-blocks-ttl-s", str(spec.decoder_ttl_s),
+        "--host", "127.0.0.1", "--port", str(port), "--decoder-kv-blocks-ttl", str(spec.decoder_ttl_s),
         "--notify-url", f"http://127.0.0.1:{port}/internal/kv_params", "--health-interval-s", "1.0",
         "--log-level", "info"], server_env(None, {**spec.env, **(env or {})}), log_dir / f"{name}.log")
 

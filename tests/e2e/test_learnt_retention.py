@@ -3,7 +3,7 @@ D's connector keeps the turn's blocks that long (impl/router/retention.py, impl/
 
 With a budget of one token no learnt hold is worth its memory: once the tenant has made
 --learnt-retention-min-returns returns, the router asks D to keep nothing. The router's own expiry for the
-entry is its --decoder-kv-blocks-ttl-s (D's 20 s here) unless D's notification says sooner, so a turn whose
+entry is its --decoder-kv-blocks-ttl (D's 20 s here) unless D's notification says sooner, so a turn whose
 previous one was asked "0 s" and then finds nothing is D's doing; before that, turns held on the fallback
 (D's TTL) are pulled. The pull or its absence is counted by vLLM's own metrics on P.
 """

@@ -114,5 +114,5 @@ def test_gap_quantile_ignores_bad_samples_and_validates():
         GapQuantileTTL(quantile=0)
     with pytest.raises(ValueError, match="floor_s"):
         GapQuantileTTL(floor_s=100, cap_s=50)
-    with pytest.raises(ValueError, match="decoder_kv_blocks_ttl_s"):
+    with pytest.raises(ValueError, match="seconds must be"):
         FixedTTL(-1)

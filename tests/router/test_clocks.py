@@ -27,7 +27,7 @@ from aiohttp import web
 from tests.router.fakes import D_TTL_S, FakeHeartbeatDecode
 from tests.router.harness import Deployment
 
-LEASE_S = 30.0  # D's lease: far below the router's assumed decoder_kv_blocks_ttl_s (480 s)
+LEASE_S = 30.0  # D's lease: far below the router's assumed decoder_kv_blocks_ttl (480 s)
 RENEW_TO_S = 200.0
 RATE = 1.001  # D's clock runs a part in a thousand fast
 OFFSETS = [-86_400.0, 86_400.0, 600.0]  # D's clock a day behind, a day ahead, ten minutes ahead
@@ -113,9 +113,9 @@ async def next_turn_reuses(dep: Deployment, cid: str, first, expected_expiry_on_
 @pytest.mark.parametrize("offset_s", OFFSETS)
 async def test_final_chunk_expiry_is_kept_on_the_routers_clock(offset_s):
     """vLLM 0.33: the params come on the final chunk, without a duration; the router assumes its own
-    decoder_kv_blocks_ttl_s from the end of D's stream and never reads D's absolute expiry."""
+    decoder_kv_blocks_ttl from the end of D's stream and never reads D's absolute expiry."""
     async with deployment("final_chunk", offset_s, hold_s=D_TTL_S) as dep:
-        ttl = dep.router.config.decoder_kv_blocks_ttl_s
+        ttl = dep.router.config.decoder_kv_blocks_ttl
         first, entry, before, after = await stored_turn(dep, "c")
         assert before + ttl <= entry.expires_at <= after + ttl
         await next_turn_reuses(dep, "c", first, dep.d.held[entry.kv_params["remote_request_id"]])

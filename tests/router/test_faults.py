@@ -187,7 +187,7 @@ async def test_prefill_4xx_is_the_clients_error_passed_on():
 
 
 async def test_expired_entry_sends_no_params():
-    async with Deployment(decoder_kv_blocks_ttl_s=5.3, expiry_margin_s=5.0) as dep:  # usable for 0.3 s
+    async with Deployment(decoder_kv_blocks_ttl=5.3, expiry_margin_s=5.0) as dep:  # usable for 0.3 s
         history, rid = await first_turn(dep)
         await asyncio.sleep(0.4)
         await dep.chat(history, conversation_id="c")

@@ -103,7 +103,7 @@ async def test_a_heartbeat_expiry_beyond_ds_retention_is_clamped():
         t0 = time.monotonic()
         r = await heartbeat(dep, "c")
         assert r.status == 200 and r.body["renewed"] is True
-        ttl = dep.router.config.decoder_kv_blocks_ttl_s
+        ttl = dep.router.config.decoder_kv_blocks_ttl
         assert r.body["expires_in_s"] <= ttl + 1e-3
         renewed = dep.router.store.get("default", "c")
         assert renewed.expires_at <= t0 + ttl + 1.0

@@ -83,7 +83,7 @@ async def test_a_tenants_flood_of_turns_that_never_return_is_held_within_its_sha
     budget; now they count against B's share (impl.policy.tenant_shares) and A's first turn is untouched."""
     keys = {"tenantA": "key-a", "tenantB": "key-b"}
     async with Deployment(keys=keys, learnt_retention_budget_tokens=400, learnt_retention_min_returns=5,
-                          decoder_kv_blocks_ttl_s=3605) as dep:
+                          decoder_kv_blocks_ttl=3605) as dep:
         for i in range(30):
             r = await dep.chat([user(f"B flood {i}")], key="key-b")
             assert r.status == 200

@@ -64,7 +64,7 @@ def configs(draw):
         p.lease_max_hold_s = draw(st.sampled_from([60.0, 3600.0]))
     if p.retention == "gap_quantile":
         p.gap_quantile = draw(st.sampled_from([0.5, 0.9]))
-        p.gap_ttl_cap_s = draw(st.sampled_from([60.0, 900.0]))
+        p.gap_cap_s = draw(st.sampled_from([60.0, 900.0]))
     p.decoder_kv_blocks_ttl = draw(st.sampled_from([0.0, 60.0, 480.0, math.inf]))
     p.placement = draw(st.sampled_from(["round_robin", "least_loaded", "kv_aware"]))
     p.prefill_on_d = draw(st.sampled_from(["off", "isl_bounding", "prefill_load", "isl_or_load"]))
@@ -137,7 +137,7 @@ def check_no_read_after_expiry(cfg, reads: Reads) -> None:
             last_beat = max([f] + [t for t, _ in beats])
             bound = max(f + p.lease_s, min(last_beat + p.lease_s, f + p.lease_max_hold_s))
         elif p.retention == "gap_quantile":
-            assert ttl_then <= p.gap_ttl_cap_s
+            assert ttl_then <= p.gap_cap_s
             bound = f + ttl_then
         else:  # oracle: until the next turn's arrival, plus the margin P needs
             bound = expiry

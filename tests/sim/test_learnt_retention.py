@@ -23,7 +23,7 @@ def test_same_config_and_seed_give_identical_output():
 
 
 def test_a_smaller_budget_keeps_less_and_reuses_less_and_every_turn_completes():
-    small, large = _run(learnt_budget_pct=2.0), _run(learnt_budget_pct=100.0)
+    small, large = _run(learnt_retention_budget_pct=2.0), _run(learnt_retention_budget_pct=100.0)
     for result in (small, large):
         assert result.summary["completed"] == result.summary["turns"]
     assert small.summary["retained_hbm_gb_s"] < large.summary["retained_hbm_gb_s"]
@@ -32,5 +32,5 @@ def test_a_smaller_budget_keeps_less_and_reuses_less_and_every_turn_completes():
 
 
 def test_learnt_under_give_back_completes_every_turn():
-    result = _run(retained_under_pressure="give_back", learnt_budget_pct=1000.0)
+    result = _run(retained_under_pressure="give_back", learnt_retention_budget_pct=1000.0)
     assert result.summary["completed"] == result.summary["turns"]

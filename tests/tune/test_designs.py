@@ -12,7 +12,7 @@ import pytest
 from sim.tune.designs import DESIGNS, Settings, choose, design_candidates, parse_designs
 from tests.cli.terminal import run_in_terminal
 
-SETTINGS = Settings(ttls_s=(0.0, 60.0, 480.0), thresholds=("64", "break_even"), learnt_budget_pct=50.0)
+SETTINGS = Settings(ttls_s=(0.0, 60.0, 480.0), thresholds=("64", "break_even"), learnt_retention_budget_pct=50.0)
 
 
 def test_every_design_has_settings_and_every_label_is_unique():

@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROFILE = "qwen3-32b@p5en-tp8"
 TOPOLOGY = (2, 3)
 DECODE_KV_TOKENS = 3 * 950_000  # the learnt retention's budget is a share of it
-CANDIDATES = [*build_grid(learnt_budget_pct=50.0), *(c for c in REFERENCES if c.kind == "default")]
+CANDIDATES = [*build_grid(learnt_retention_budget_pct=50.0), *(c for c in REFERENCES if c.kind == "default")]
 
 
 def _settings():
@@ -142,7 +142,7 @@ def test_a_ttl_of_zero_is_recommended_as_bidirectional_off():
     [(c, s)] = [(c, s) for c, s in _settings() if c.label == "ttl=0s thr=64"]
     for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
         assert s[side]["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
-    assert s["deploy_mode"] == "off" and "--decoder-kv-blocks-ttl-s" not in s["router_argv"]
+    assert s["deploy_mode"] == "off" and "--decoder-kv-blocks-ttl" not in s["router_argv"]
     assert "bidirectional transfer OFF" in recommendation_text(Point(c, {}), PROFILE, TOPOLOGY)
 
 
@@ -153,7 +153,7 @@ def test_the_learnt_retention_is_asked_by_the_router_and_read_by_our_connector()
     assert decode["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 3605.0  # the longest hold: D cuts none
     argv = s["router_argv"]
     assert argv[argv.index("--learnt-retention-budget-tokens") + 1] == str(DECODE_KV_TOKENS // 2)
-    assert argv[argv.index("--decoder-kv-blocks-ttl-s") + 1] == "3605"
+    assert argv[argv.index("--decoder-kv-blocks-ttl") + 1] == "3605"
     assert s["deploy_router_extra_args"] == argv[argv.index("--learnt-retention-budget-tokens"):]
     text = recommendation_text(Point(c, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)
     assert "[router] extra_args = " in text and "--learnt-retention-budget-tokens" in text.split("impl/deploy")[1]
@@ -193,4 +193,4 @@ def test_the_router_command_starts_with_the_tuned_topology(retention, ttl):
         out, _ = proc.communicate(timeout=30)
     assert "Traceback" not in out, out
     if retention == "ttl" and ttl:
-        assert argv[argv.index("--decoder-kv-blocks-ttl-s") + 1] == "480"
+        assert argv[argv.index("--decoder-kv-blocks-ttl") + 1] == "480"

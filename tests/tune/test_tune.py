@@ -207,7 +207,7 @@ def test_tune_json_is_strict_states_the_workload_and_recommends_a_finite_ttl(tmp
     (["--leases", "-5"], "--leases: -5.0 must be a finite number of seconds > 0"),
     (["--gap-quantiles", "1.5"], "--gap-quantiles: 1.5 must be in (0, 1]"),
     (["--thresholds", "-1"], "--thresholds: threshold '-1' must be >= 0"),
-    (["--lease-s", "-1"], "lease_s must be a non-negative number"),
+    (["--lease-s", "-1"], "config field policy.lease_s must be finite and > 0"),
     (["--conversations", "0"], "--conversations must be >= 1"),
 ])
 def test_tune_rejects_bad_numbers_in_one_line_before_simulating(args, says):
