@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import simpy
 
 from impl.policy import GiveBack, RetainedPool, releases
+from impl.policy.catalogue import SIM, UNDER_PRESSURE
 from impl.policy.store import usable_until
 from sim.instant import after
 from sim.interconnect import Interconnect
@@ -127,8 +128,8 @@ class DecodeNode:
         self.interconnect = interconnect
         self.on_finish = on_finish
         self.totals = NodeTotals()
-        if pressure_mode not in ("pinned", "give_back", "instant_drop"):
-            raise ValueError(f"pressure_mode must be pinned, give_back or instant_drop, got {pressure_mode!r}")
+        if pressure_mode not in UNDER_PRESSURE.names(SIM):
+            raise ValueError(f"pressure_mode must be one of {', '.join(UNDER_PRESSURE.names(SIM))}, got {pressure_mode!r}")
         if (pressure_mode == "give_back") != (give_back is not None):
             raise ValueError("give_back settings go with pressure_mode 'give_back' and only with it")
         self.drops_on_demand = pressure_mode == "instant_drop"

@@ -412,7 +412,7 @@ def _check_addresses(source: str, config: DeployConfig) -> None:
                  (d.host, d.http_port, "decode.http_port"), (d.host, d.side_channel_port, "decode.side_channel_port"),
                  (r.host, r.port, "router.port")]
     if config.connector_settings.heartbeat_port:  # D's lease-heartbeat listener (P never opens it)
-        listening.append((d.host, config.connector_settings.heartbeat_port, "connector.bidikv_heartbeat_port"))
+        listening.append((d.host, config.connector_settings.heartbeat_port, f"connector.{_key('heartbeat_port')}"))
     seen: dict[tuple[str, int], str] = {}
     for host, port, field in listening:
         if (host, port) in seen:

@@ -125,11 +125,7 @@ def router_ttl_s(config: DeployConfig) -> float:
     D's notification carries the exact remaining time (impl/router/notify.py) and the router takes the
     smaller of the two, so for a lease or a learned TTL the cap is the right bound."""
     s = config.connector_settings
-    if s.retention == "lease":
-        return s.values["lease_max_hold_s"]
-    if s.retention == "gap_quantile":
-        return s.values["gap_cap_s"]
-    return s.decoder_kv_blocks_ttl
+    return s.values[catalogue.RETENTION[s.retention].longest_hold]
 
 
 def router_args(config: DeployConfig, mode: str, prefill: list[str], decode: list[str], notify_base: str) -> list[str]:

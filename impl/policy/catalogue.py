@@ -375,6 +375,7 @@ class Policy:
     args: tuple[tuple[str, str], ...] = ()
     surfaces: frozenset[str] = frozenset(SURFACES)
     context: tuple[str, ...] = ()  # constructor arguments that are not settings (break_even's cost model)
+    longest_hold: str | None = None  # retention: the setting no hold of it exceeds (the router's bound on an entry)
 
 
 class Registry:
@@ -454,14 +455,14 @@ RECOMPUTE = Registry("recompute", "recompute_policy", (
 ))
 RETENTION = Registry("retention", "retention", (
     Policy("ttl", "vLLM's decoder_kv_blocks_ttl: finish + TTL, never renewed", FixedTTL,
-           (("decoder_kv_blocks_ttl", "seconds"),), frozenset({SIM, CONNECTOR})),
+           (("decoder_kv_blocks_ttl", "seconds"),), frozenset({SIM, CONNECTOR}), longest_hold="decoder_kv_blocks_ttl"),
     Policy("lease", "a lease the client renews with heartbeats through the router", HeartbeatLease,
            (("lease_s", "lease_s"), ("heartbeat_interval_s", "heartbeat_interval_s"),
-            ("lease_max_hold_s", "max_hold_s")), frozenset({SIM, CONNECTOR})),
+            ("lease_max_hold_s", "max_hold_s")), frozenset({SIM, CONNECTOR}), longest_hold="lease_max_hold_s"),
     Policy("gap_quantile", "a TTL learnt as a quantile of observed inter-turn gaps", GapQuantileTTL,
            (("gap_quantile", "quantile"), ("gap_cap_s", "cap_s"), ("gap_floor_s", "floor_s"),
             ("gap_initial_s", "initial_s"), ("gap_min_samples", "min_samples"), ("gap_window", "window"),
-            ("gap_margin_s", "margin_s")), frozenset({SIM, CONNECTOR})),
+            ("gap_margin_s", "margin_s")), frozenset({SIM, CONNECTOR}), longest_hold="gap_cap_s"),
     Policy("learnt", "per turn, from the router's view of every conversation's returns (impl.policy.return_time); "
            "deployed as a ttl on D and the router's learnt_retention_budget_tokens", None,
            (("learnt_retention_fallback_s", "fallback_s"), ("learnt_retention_min_returns", "min_returns"),

@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from impl.policy import InstanceLoad, KVAwareCost, LeastLoaded, PlacementPolicy, PlacementRequest, RoundRobin
+from impl.policy import InstanceLoad, PlacementPolicy, PlacementRequest
+from impl.policy.catalogue import PLACEMENT, ROUTER
 
 log = logging.getLogger("bidikv.router")
 
@@ -51,13 +52,10 @@ class Upstream:
 
 
 def make_placement(name: str) -> PlacementPolicy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    if name == "kv_aware":
-        return KVAwareCost()
-    raise ValueError(f"unknown placement {name!r}")
+    """The catalogue's placement policy of that name (impl.policy.catalogue.PLACEMENT)."""
+    if name not in PLACEMENT.names(ROUTER):
+        raise ValueError(f"unknown placement {name!r}")
+    return PLACEMENT.build(name, {})
 
 
 class UpstreamPool:

@@ -96,3 +96,10 @@ def test_a_registry_refuses_a_second_policy_of_the_same_name():
         RETENTION.register(catalogue.Policy("ttl", "again"))
     with pytest.raises(ValueError, match="retention must be one of"):
         RETENTION["forever"]
+
+
+def test_every_deployable_retention_names_the_setting_that_bounds_its_holds():
+    # the deploy recipe starts the router with it as --decoder-kv-blocks-ttl (impl/deploy/render.py)
+    for policy in RETENTION:
+        if CONNECTOR in policy.surfaces:
+            assert CONNECTOR in catalogue.setting(policy.longest_hold).surfaces, policy.name
