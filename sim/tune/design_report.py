@@ -4,6 +4,7 @@ for the recommended design (sim/tune/designs.py decides; this module only words 
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any, Sequence
 
 from sim.tune.designs import DesignRow, DesignTuning, setting_label
@@ -80,8 +81,32 @@ def table(tuning: DesignTuning, max_tpot_increase_pct: float) -> str:
 
 def design_settings(row: DesignRow, profile_name: str, topology: tuple[int, int],
                     decode_kv_tokens: int | None) -> dict[str, Any]:
-    """What to deploy for ``row``'s best setting (sim/tune/report.py's ``vllm_settings`` form)."""
-    return vllm_settings(row.best, profile_name, topology, decode_kv_tokens)
+    """What to deploy for ``row``'s best setting (sim/tune/report.py's ``vllm_settings`` form), with the
+    router's flags for the settings it shares with the simulator (prefill on D) added to its command and
+    to the deploy recipe's [router] extra_args."""
+    s = vllm_settings(row.best, profile_name, topology, decode_kv_tokens)
+    flags = router_flags(row.best.candidate.policy)
+    if flags:
+        s["router_argv"] = [*s["router_argv"], *flags]
+        s["router_command"] = shlex.join(s["router_argv"])
+        s["deploy_router_extra_args"] = [*s["deploy_router_extra_args"], *flags]
+    return s
+
+
+def router_flags(policy: dict[str, Any]) -> list[str]:
+    """``bidikv router`` flags for the policy settings that are also the router's (one name on both: the flag
+    is the field's name), those that differ from the router's default."""
+    import dataclasses
+
+    from impl.router.config import RouterConfig
+
+    defaults = RouterConfig()
+    out = []
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in policy and policy[f.name] != getattr(defaults, f.name) and f.name.startswith("prefill_on_d"):
+            out += [f"--{f.name.replace('_', '-')}", f"{policy[f.name]:g}" if isinstance(policy[f.name], float)
+                    else str(policy[f.name])]
+    return out
 
 
 def recommendation_text(tuning: DesignTuning, profile_name: str, topology: tuple[int, int],

@@ -61,6 +61,16 @@ def _ttls(modes: dict[str, Any]) -> Callable[[Settings], list[dict[str, Any]]]:
     return grid
 
 
+def _prefill_on_d(modes: dict[str, Any]) -> Callable[[Settings], list[dict[str, Any]]]:
+    """Each TTL of the sweep with the rules of Dynamo's conditional disaggregation at their defaults
+    (impl.policy.prefill_on_d): a short suffix alone, or a short suffix or a busy P."""
+    ttls = _ttls(modes)
+    return lambda s: [{**policy, "prefill_on_d": rule} for rule in PREFILL_ON_D_RULES for policy in ttls(s)]
+
+
+PREFILL_ON_D_RULES = ("isl_bounding", "isl_or_load")
+
+
 def _learnt(s: Settings) -> list[dict[str, Any]]:
     return [{"retention": "learnt", "learnt_retention_budget_pct": s.learnt_retention_budget_pct, "decoder_kv_blocks_ttl": LEARNT_D_TTL_S,
              **_threshold_policy(threshold), **mode} for threshold in s.thresholds for mode in (PINNED, GIVE_BACK)]
@@ -77,6 +87,11 @@ DESIGNS: tuple[Design, ...] = (
            "pressure at their last published expiry", _ttls(GIVE_BACK)),
     Design("learnt", "learnt", "bidikv's router asks D to hold each turn as long as its estimated return is worth, "
            "within the HBM budget (pinned or giving back)", _learnt),
+    Design("prefill_on_d", "prefill on D", "the router sends a later turn whole to the D holding its conversation "
+           "(Dynamo's conditional disaggregation rules), which computes the suffix between its decode steps; other "
+           "turns pull from D's HBM as vLLM does, pinned", _prefill_on_d(PINNED)),
+    Design("prefill_on_d_give_back", "prefill on D, give_back", "prefill on D, with D giving retained blocks back "
+           "under memory pressure (bidikv's connector)", _prefill_on_d(GIVE_BACK)),
 )
 DESIGN_KEYS = tuple(d.key for d in DESIGNS)
 
@@ -111,6 +126,8 @@ def setting_label(policy: dict[str, Any]) -> str:
                  else f"thr={policy.get('kv_recompute_threshold', 64)}")
     if policy.get("retained_under_pressure", "pinned") != "pinned":
         parts.append(policy["retained_under_pressure"])
+    if policy.get("prefill_on_d", "off") != "off":
+        parts.append(f"on_d={policy['prefill_on_d']}")
     return " ".join(parts)
 
 

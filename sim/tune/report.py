@@ -212,8 +212,10 @@ def paste_lines(s: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
         *(["  that is bidirectional transfer OFF: D keeps no blocks for P to read back"] if s["deploy_mode"] == "off"
           else []),
         f"  or, with impl/deploy: in deploy.toml's [connector] set {toml}"
-        + (f", and in [router] extra_args = {json.dumps(s['deploy_router_extra_args'])} (without them D keeps "
-           f"every turn for its {s['deploy_connector']['decoder_kv_blocks_ttl']:g} s TTL)" if s["deploy_router_extra_args"] else "")
+        + (f", and in [router] extra_args = {json.dumps(s['deploy_router_extra_args'])}" if s["deploy_router_extra_args"]
+           else "")
+        + (f" (without them D keeps every turn for its {s['deploy_connector']['decoder_kv_blocks_ttl']:g} s TTL)"
+           if "--learnt-retention-budget-tokens" in s["deploy_router_extra_args"] else "")
         + f"; run its scripts with --mode {s['deploy_mode']}",
         *([f"  caveat:  {s['caveat']}"] if "caveat" in s else []),
         *([f"  reuse:   D's tokens offered {m['tokens_offered']:,}, verified {m['tokens_verified']:,} (equal to the "

@@ -3,8 +3,9 @@
 (`bidikv deploy check`), and the router command starts with every P and D of the tuned topology.
 
 "Can recommend": every sweep point of the default grid (fixed TTLs, leases, gap quantiles, the learnt
-per-turn retention, each with every threshold) and vLLM's default; the oracle and OFF are references,
-never recommended.
+per-turn retention, each with every threshold), every setting of every design `bidikv tune --designs`
+compares (sim/tune/designs.py: prefill on D adds router flags) and vLLM's default; the oracle and OFF are
+references, never recommended.
 """
 
 from __future__ import annotations
@@ -30,22 +31,30 @@ from impl.cli import main
 from impl.connector.config import ConnectorSettings
 from sim.tune.frontier import Point
 from sim.tune.grid import REFERENCES, build_grid
-from sim.tune.report import DECODE_HTTP_PORT, HEARTBEAT_PORT, recommendation_text, vllm_settings
+from sim.tune.design_report import design_settings
+from sim.tune.designs import DESIGNS, DesignRow, Settings, design_candidates
+from sim.tune.grid import DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
+from sim.tune.report import DECODE_HTTP_PORT, HEARTBEAT_PORT, paste_lines, recommendation_text, vllm_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROFILE = "qwen3-32b@p5en-tp8"
 TOPOLOGY = (2, 3)
 DECODE_KV_TOKENS = 3 * 950_000  # the learnt retention's budget is a share of it
-CANDIDATES = [*build_grid(learnt_retention_budget_pct=50.0), *(c for c in REFERENCES if c.kind == "default")]
+DESIGN_CANDIDATES = [c for c, key in zip(*design_candidates(DESIGNS, Settings(DEFAULT_TTLS_S, DEFAULT_THRESHOLDS, 50.0)))
+                     if key]
+CANDIDATES = [*build_grid(learnt_retention_budget_pct=50.0), *(c for c in REFERENCES if c.kind == "default"),
+              *DESIGN_CANDIDATES]
 
 
 def _settings():
-    return [(c, vllm_settings(Point(c, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)) for c in CANDIDATES]
+    return [(c, design_settings(DesignRow(None, Point(c, {}), True), PROFILE, TOPOLOGY, DECODE_KV_TOKENS))
+            for c in CANDIDATES]
 
 
 def _pasted_configs(candidate) -> list[str]:
     """The --kv-transfer-config values exactly as a shell passes them from the printed recommendation."""
-    text = recommendation_text(Point(candidate, {}), PROFILE, TOPOLOGY, DECODE_KV_TOKENS)
+    text = "\n".join(paste_lines(design_settings(DesignRow(None, Point(candidate, {}), True), PROFILE, TOPOLOGY,
+                                                 DECODE_KV_TOKENS), {}))
     values = []
     for line in text.splitlines():
         if "--kv-transfer-config" in line:
@@ -161,11 +170,13 @@ def test_the_learnt_retention_is_asked_by_the_router_and_read_by_our_connector()
         vllm_settings(Point(c, {}), PROFILE, TOPOLOGY)
 
 
-@pytest.mark.parametrize("retention, ttl", [("ttl", 480.0), ("ttl", 0.0), ("lease", None), ("gap_quantile", None),
-                                            ("learnt", None)])
-def test_the_router_command_starts_with_the_tuned_topology(retention, ttl):
+@pytest.mark.parametrize("retention, ttl, on_d", [("ttl", 480.0, "off"), ("ttl", 0.0, "off"), ("lease", None, "off"),
+                                                  ("gap_quantile", None, "off"), ("learnt", None, "off"),
+                                                  ("ttl", None, "isl_or_load")])
+def test_the_router_command_starts_with_the_tuned_topology(retention, ttl, on_d):
     c, s = next((c, s) for c, s in _settings() if c.policy.get("retention") == retention
-                and (ttl is None or c.policy["decoder_kv_blocks_ttl"] == ttl))
+                and (ttl is None or c.policy["decoder_kv_blocks_ttl"] == ttl)
+                and c.policy.get("prefill_on_d", "off") == on_d)
     argv = shlex.split(s["router_command"])
     assert argv == s["router_argv"] and argv[:2] == ["bidikv", "router"]
     urls = [a for a in argv if a.startswith("http://")]
@@ -194,3 +205,5 @@ def test_the_router_command_starts_with_the_tuned_topology(retention, ttl):
     assert "Traceback" not in out, out
     if retention == "ttl" and ttl:
         assert argv[argv.index("--decoder-kv-blocks-ttl") + 1] == "480"
+    if on_d != "off":
+        assert argv[argv.index("--prefill-on-d") + 1] == on_d and "--prefill-on-d" in s["deploy_router_extra_args"]
