@@ -82,10 +82,10 @@ def table(tuning: DesignTuning, max_tpot_increase_pct: float) -> str:
 def design_settings(row: DesignRow, profile_name: str, topology: tuple[int, int],
                     decode_kv_tokens: int | None) -> dict[str, Any]:
     """What to deploy for ``row``'s best setting (sim/tune/report.py's ``vllm_settings`` form), with the
-    router's flags for the settings it shares with the simulator (prefill on D) added to its command and
-    to the deploy recipe's [router] extra_args."""
+    router's flags for the other settings it shares with the simulator (prefill on D: impl.policy.catalogue's
+    ROUTER surface) added to its command and to the deploy recipe's [router] extra_args."""
     s = vllm_settings(row.best, profile_name, topology, decode_kv_tokens)
-    flags = router_flags(row.best.candidate.policy)
+    flags = router_flags(row.best.candidate.policy, s["router_argv"])
     if flags:
         s["router_argv"] = [*s["router_argv"], *flags]
         s["router_command"] = shlex.join(s["router_argv"])
@@ -93,19 +93,17 @@ def design_settings(row: DesignRow, profile_name: str, topology: tuple[int, int]
     return s
 
 
-def router_flags(policy: dict[str, Any]) -> list[str]:
-    """``bidikv router`` flags for the policy settings that are also the router's (one name on both: the flag
-    is the field's name), those that differ from the router's default."""
-    import dataclasses
+def router_flags(policy: dict[str, Any], argv: Sequence[str] = ()) -> list[str]:
+    """``bidikv router`` flags for the settings of ``policy`` the router also carries (one name on both
+    surfaces, the flag spelled from it) that differ from their default and ``argv`` does not set yet."""
+    from impl.policy.catalogue import ROUTER, on
 
-    from impl.router.config import RouterConfig
-
-    defaults = RouterConfig()
-    out = []
-    for f in dataclasses.fields(RouterConfig):
-        if f.name in policy and policy[f.name] != getattr(defaults, f.name) and f.name.startswith("prefill_on_d"):
-            out += [f"--{f.name.replace('_', '-')}", f"{policy[f.name]:g}" if isinstance(policy[f.name], float)
-                    else str(policy[f.name])]
+    out: list[str] = []
+    for setting in on(ROUTER):
+        flag = f"--{setting.name.replace('_', '-')}"
+        value = policy.get(setting.name, setting.default)
+        if value != setting.default and flag not in argv:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return out
 
 
