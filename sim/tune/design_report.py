@@ -94,15 +94,17 @@ def design_settings(row: DesignRow, profile_name: str, topology: tuple[int, int]
 
 
 def router_flags(policy: dict[str, Any], argv: Sequence[str] = ()) -> list[str]:
-    """``bidikv router`` flags for the settings of ``policy`` the router also carries (one name on both
-    surfaces, the flag spelled from it) that differ from their default and ``argv`` does not set yet."""
-    from impl.policy.catalogue import ROUTER, on
+    """``bidikv router`` flags for ``policy``'s prefill on D (impl.policy.catalogue's PREFILL_ON_D family:
+    its selector and the settings its policy reads, those the router carries, one name on both surfaces)
+    that differ from their default and ``argv`` does not set yet."""
+    from impl.policy.catalogue import PREFILL_ON_D, ROUTER, setting
 
+    rule = policy.get(PREFILL_ON_D.selector, setting(PREFILL_ON_D.selector).default)
     out: list[str] = []
-    for setting in on(ROUTER):
-        flag = f"--{setting.name.replace('_', '-')}"
-        value = policy.get(setting.name, setting.default)
-        if value != setting.default and flag not in argv:
+    for name in (PREFILL_ON_D.selector, *PREFILL_ON_D.settings(rule)):
+        entry, flag = setting(name), f"--{name.replace('_', '-')}"
+        value = policy.get(name, entry.default)
+        if ROUTER in entry.surfaces and value != entry.default and flag not in argv:
             out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return out
 
