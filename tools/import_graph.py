@@ -220,6 +220,10 @@ def violations(found: list[Edge]) -> list[Edge]:
     return bad
 
 
+def _kind(kind: str) -> str:
+    return "" if kind == "import" else f" ({kind})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", action="store_true", help="also check the layering rules")
@@ -239,14 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         failed = True
         members = set(component)
         print(f"cycle of {len(component)}: {' '.join(component)}")
-        for edge in sorted({(e.source, e.target, e.kind) for e in found if e.source in members and e.target in members}):
-            print(f"  {edge[0]} -> {edge[1]}" + ("" if edge[2] == "import" else f" ({edge[2]})"))
+        inside = {(e.source, e.target, e.kind) for e in found if e.source in members and e.target in members}
+        for source, target, kind in sorted(inside):
+            print(f"  {source} -> {target}{_kind(kind)}")
     if args.layers:
         bad = violations(found)
         print(f"{len(bad)} layer violations")
         for edge in sorted(bad, key=lambda e: (e.source, e.line)):
             failed = True
-            print(f"  {edge.source}:{edge.line} -> {edge.target}" + ("" if edge.kind == "import" else f" ({edge.kind})"))
+            print(f"  {edge.source}:{edge.line} -> {edge.target}{_kind(edge.kind)}")
     return 1 if failed else 0
 
 
