@@ -147,6 +147,7 @@ def _tokens(tokenizer, messages, generation_prompt: bool) -> int:
 text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
 
 
+@pytest.mark.extra("impl")  # transformers, which vllm brings
 @given(history=st.lists(text, min_size=1, max_size=4), new=st.lists(text, min_size=1, max_size=3))
 def test_the_suffix_bound_never_undercounts_what_the_template_adds(tokenizer, history, new):
     roles = ["user", "assistant"]
@@ -161,6 +162,7 @@ def test_the_suffix_bound_never_undercounts_what_the_template_adds(tokenizer, hi
     assert after - before <= bound
 
 
+@pytest.mark.extra("impl")
 def test_the_suffix_bound_overcounts_by_about_the_tokenizer_s_bytes_per_token(tokenizer):
     # what a wrong (high) estimate costs is reuse forgone, never D's TPOT. The tests' 512-token BPE packs
     # English at ~1.8 bytes per token (a large-vocabulary one at ~4): the bound is that factor high
