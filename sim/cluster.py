@@ -218,8 +218,6 @@ class Cluster:
         return SimResult(self.records, summary, self.series, self.config)
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
-        # a conversation's turns are sent in order, so those sent are a prefix: one count per conversation
-        # (tenant and id: the same id under two tenants is two conversations), not a set entry per turn
         # a turn's record is packed when the turn ends, completed or rejected: only records still held
         # as objects (the turns in flight) can be unfinished
         records = self.records
@@ -229,12 +227,26 @@ class Cluster:
             if math.isnan(rec.completion_s) and not rec.rejected:
                 rec.rejected = why
         records.pack_held()
-        sent: dict[tuple[str, str], int] = {}
-        for tenant, conversation, index in fields_of(records, "tenant", "conversation", "turn"):
-            if index >= sent.get((tenant, conversation), 0):
-                sent[(tenant, conversation)] = index + 1
+        if math.isnan(self._stuck_at) and math.isinf(self.config.max_sim_time_s):
+            return  # the run went to its end with no client stuck: every turn was sent (invariant 1 checks it)
+        # a conversation's turns are sent in order, so those sent are a prefix: one count per conversation,
+        # not a set entry per turn; per id, and per (tenant, id) for an id two tenants share (two conversations)
+        tenants: dict[str, str] = {}  # conversation id -> its tenant, or "" for an id two tenants share
         for conv in conversations:
-            for index in range(sent.get((conv.tenant, conv.conversation_id), 0), len(conv.turns)):
+            if tenants.setdefault(conv.conversation_id, conv.tenant) != conv.tenant:
+                tenants[conv.conversation_id] = ""
+        sent: dict[Any, int] = {}
+        for conversation, index in fields_of(records, "conversation", "turn"):
+            if index >= sent.get(conversation, 0):
+                sent[conversation] = index + 1
+        if "" in tenants.values():  # then count those ids per tenant (rare: a second pass, over their records)
+            for tenant, conversation, index in fields_of(records, "tenant", "conversation", "turn"):
+                if not tenants.get(conversation, True) and index >= sent.get((tenant, conversation), 0):
+                    sent[(tenant, conversation)] = index + 1
+        for conv in conversations:
+            shared = not tenants[conv.conversation_id]
+            key = (conv.tenant, conv.conversation_id) if shared else conv.conversation_id
+            for index in range(sent.get(key, 0), len(conv.turns)):
                 turn = conv.turns[index]
                 rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, math.nan)
                 rec.rejected = ("not released by max_sim_time_s" if math.isnan(self._stuck_at) else

@@ -105,6 +105,9 @@ def chunk_work_s(profile: "LatencyProfile", tokens: int, context: int) -> float:
     return profile.compute_s(tokens, context) - profile.prefill_fixed_s
 
 
+_NEVER = 1 << 62  # a step count no run reaches
+
+
 def _join_order(seq: _Seq) -> int:
     return seq.order
 
@@ -172,7 +175,9 @@ class DecodeNode:
         self._joins = 0  # sequences joined so far: the next one's join order
         self._steps = 0  # decode steps the batch has taken
         self._base_sum = 0  # the running sequences' bases: the batch's context is this + batch * steps
-        self._done_at: list[tuple[int, int]] = []  # heap of (done step, join order); a preempted one's is stale
+        # heap of (done step, join order); a preempted one's is stale; never empty: a sentinel no step reaches
+        # (a step that only computes a suffix on D ends with no sequence running)
+        self._done_at: list[tuple[int, int]] = [(_NEVER, -1)]
         self._by_phase = [0] * (2 * bs)  # running sequences by base % bs, twice over: a cyclic range is one slice
         self._unstepped_extra = 0  # blocks sequences joined since the last segment hold beyond their context's
         # the segment in progress: (start, duration, steps, first step's time, growth per step), the blocks
@@ -187,7 +192,9 @@ class DecodeNode:
         # nothing can expire and _advance_retention need not ask the pool
         self._expiry_bound = math.inf
         # the wakes and the step boundary's timer callback, bound once (a segment arms one or two a turn)
-        self._idle_wake, self._segment_wake, self._at_boundary = self._run, self._on_segment_wake, self._end_segment
+        self._idle_wake, self._segment_wake = self._run, self._on_segment_wake
+        # what ends a step at its boundary: _end_segment, or _end_chunk_step while it carries suffix chunks
+        self._at_boundary: Callable[[object], None] = self._end_segment
         # prefill on D (sim.prefill_on_d): turns admitted to compute their suffix here, oldest first; the
         # chunks the step in flight carries; the suffix tokens not yet computed (the router reads them);
         # the token budget of a step (vLLM's max_num_batched_tokens; set by the cluster)
@@ -625,10 +632,20 @@ class DecodeNode:
         """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
         prefill through the router), so the wake may be processed on the spot (sim.instant)."""
         self._joining.append(seq)
-        self._wake()
+        armed = self._armed
+        if armed is not None:
+            self._armed = None
+            timer = self._segment_timer
+            if timer is not None and timer.callbacks:  # the segment's timer (not yet fired) fires as a no-op
+                timer.callbacks = []
+            queue = self.env._queue
+            if not queue or queue[0][0] > self.env._now:
+                armed(None)  # sim.instant.succeed_now's case: nothing else is due now
+            else:
+                after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
 
     def _wake(self) -> None:
-        """Wake the engine loop for a sequence that joins or a suffix to compute (the caller's last act)."""
+        """Wake the engine loop for a suffix to compute (the caller's last act; _join's wake, not inlined)."""
         armed = self._armed
         if armed is not None:
             self._armed = None
@@ -663,6 +680,7 @@ class DecodeNode:
             budget = 1
         work = 0.0
         chunks = self._chunks
+        self._at_boundary = self._end_chunk_step
         for seq in self._prefilling:
             if budget <= 0:
                 break
@@ -672,6 +690,12 @@ class DecodeNode:
             chunks.append((seq, take))
             budget -= take
         return work
+
+    def _end_chunk_step(self, _timer: object) -> None:
+        """A step that carried suffix chunks ended: the chunks are computed, then the step ends as any."""
+        self._at_boundary = self._end_segment
+        self._chunks_done()
+        self._end_segment(_timer)
 
     def _chunks_done(self) -> None:
         """The step in flight ended: its chunks are computed; finished suffixes join the batch."""
@@ -738,15 +762,15 @@ class DecodeNode:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
-            prefilling = self._prefilling
             if not running:
-                if prefilling and not joining:
+                if self._prefilling and not joining:
                     self._prefill_step(now)
                     return
                 continue
             while done_at[0][1] not in running:  # a preempted sequence's entry
                 heapq.heappop(done_at)
             k = done_at[0][0] - steps
+            prefilling = self._prefilling
             if prefilling:  # one step at a time while D computes a suffix: each step carries a chunk
                 k = 1
             batch = len(running)
@@ -874,7 +898,7 @@ class DecodeNode:
                     return
         else:
             self._end_steps = k
-        self._end_segment(None)
+        self._at_boundary(None)  # _end_segment, or _end_chunk_step while the step carries suffix chunks
 
     def _end_segment(self, _timer: object) -> None:
         """The running batch took ``_end_steps`` steps of its segment: all of them (it holds just the blocks
@@ -893,10 +917,8 @@ class DecodeNode:
                 crossings += sum(self._by_phase[lo:lo + e])
             self.running_blocks -= self._segment_crossings - crossings
         self._steps = steps = steps + k
-        if self._chunks:
-            self._chunks_done()
         deferred = None
-        if self._done_at and self._done_at[0][0] <= steps:
+        if self._done_at[0][0] <= steps:
             deferred = self._finish_done(self.env._now, True)  # defer
         self._run()
         if deferred is not None:

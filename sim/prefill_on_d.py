@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from impl.policy import ConversationEntry
 from impl.policy.prefill_on_d import HoldState, PrefillOnD, TurnPath, TurnSignals
 from impl.policy.store import usable_until
 
@@ -47,18 +46,20 @@ class PrefillOnDRouting:
         # hold after its store stops offering it (expired, or evicted by the store's bound)
         self._last: dict[Any, tuple[str, int, float]] = {}
 
-    def choose(self, rec: "TurnRecord", key: Any, found: Any, now: float) -> "DecodeNode | None":
-        """The D to serve ``rec`` on, or None for P. ``found``: the store's answer (an entry or a miss)."""
-        if type(found) is ConversationEntry:
-            d_name, held, hold, lapsed_for = found.decode_instance, found.num_tokens, HoldState.RETAINED, 0.0
+    def choose(self, rec: "TurnRecord", key: Any, remote: "tuple[DecodeNode, int, int, int] | None",
+               now: float) -> "DecodeNode | None":
+        """The D to serve ``rec`` on, or None for P. ``remote``: what the store's entry offers (D, tokens
+        held, ...), None on a miss."""
+        if remote is not None:
+            d, held, hold, lapsed_for = remote[0], remote[1], HoldState.RETAINED, 0.0
         else:
             last = self._last.get(key)
             if last is None:
                 return None
             d_name, held, expires_at = last
+            d = self._decode_by_name[d_name]
             hold = HoldState.LAPSED
             lapsed_for = max(0.0, now - usable_until(expires_at, self.margin_s))
-        d = self._decode_by_name[d_name]
         p_queued = min(p.queued_tokens for p in self._prefill)
         signals = TurnSignals(rec.prompt_tokens, min(held, rec.prompt_tokens), hold, lapsed_for, len(d.running),
                               d.max_num_seqs, d.running_blocks + d.arriving_blocks, d.capacity,

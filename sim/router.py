@@ -105,7 +105,7 @@ class Router:
             last[0].retention.observe_gap(now - last[1])
         if self.learnt is not None:
             self.learnt.arrived(key, rec.turn, now)
-        remote = found = None
+        remote = None
         if self.bidirectional:
             # the entry or why it missed, without a Lookup around it (one per turn)
             found = self.store.lookup_entry(key[0], key[1], _new_prompt(SyntheticPrompt, (key[1], revision, n)), now)
@@ -119,8 +119,8 @@ class Router:
                 rec.miss_reason = found._value_  # type: ignore[union-attr]
         elif rec.turn > 0:
             rec.miss_reason = "bidirectional_off"
-        if self.on_d is not None and rec.turn > 0:
-            d_node = self.on_d.choose(rec, key, found, now)
+        if self.on_d and rec.turn:
+            d_node = self.on_d.choose(rec, key, remote, now)
             if d_node is not None:  # the whole request to the D that holds the conversation: no P leg
                 rec.decode_instance = d_node.name
                 rec.recomputed_tokens = n  # until D takes its held prefix (if it rejects the turn, nothing was)
@@ -203,7 +203,7 @@ class Router:
         self._last_finish[key] = (d_node, now)
         if self.learnt is not None:
             self.learnt.finished(key, seq.blocks, now)
-        if self.on_d is not None:
+        if self.on_d:
             self.on_d.finished(key, d_node.name, seq.context, expires_at, now)
         if expires_at is None:
             return

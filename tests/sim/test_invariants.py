@@ -165,8 +165,6 @@ def check_prefill_on_d_holds_token_for_token(cfg, r, recs, conv) -> None:
     # D holds a finished turn's prompt and all but its last answer token (whose KV no step computed)
     assert r.reused_tokens <= max(e.prompt_tokens + e.output_tokens - 1 for e in sources), r
     assert r.reused_tokens % PROFILE.block_size == 0  # whole blocks, as vLLM's prefix cache hands them out
-    if not cfg.policy.decode_prefix_caching:  # only a retained copy can serve it
-        assert r.store_hit, r
 
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
