@@ -160,3 +160,28 @@ def test_the_deploy_recipes_keys_and_flags_are_the_catalogues():
     assert set(recipe["connector"]) <= set(keys) | vllm_keys
     router_flags = _flags(_subparser("router"))
     assert set(ROUTER_FLAGS_OWNED) - {"--config"} <= router_flags
+
+
+# -- a setting on two surfaces is one catalogue entry -------------------------------------------------
+
+# names two surfaces use for different things, and why they are not one setting
+NOT_ONE_SETTING = {
+    "seed": "the simulator's seed drives every random stream of a run; the router's only breaks placement ties",
+    **SIM_OWN,
+}
+
+
+def test_a_name_on_two_surfaces_is_a_catalogue_setting():
+    from sim.config import SimConfig
+
+    def fields(cls: type) -> set[str]:
+        out = set()
+        for f in dataclasses.fields(cls):
+            default = getattr(cls(), f.name)
+            out |= fields(type(default)) if dataclasses.is_dataclass(default) else {f.name}
+        return out
+
+    surfaces = {SIM: fields(SimConfig), ROUTER: {f.name for f in dataclasses.fields(RouterConfig)},
+                CONNECTOR: {k.removeprefix(catalogue.CONNECTOR_PREFIX) for k in KNOWN_BIDIKV_KEYS}}
+    shared = {name for a in surfaces for b in surfaces if a < b for name in surfaces[a] & surfaces[b]}
+    assert shared - set(NOT_ONE_SETTING) <= CATALOGUE_NAMES

@@ -12,6 +12,7 @@ import pathlib
 import sys
 from typing import Any
 
+from impl.policy import catalogue
 from sim.tune.grid import DECODE_MODES, DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
 from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, thresholds_of
 
@@ -56,7 +57,9 @@ def register(subparsers: Any) -> None:
     o = p.add_argument_group("objective")
     o.add_argument("--objective", default="ttft_p90", choices=("ttft_p50", "ttft_p90", "ttft_p99", "compute"),
                    help="what to minimise (default: %(default)s)")
-    o.add_argument("--max-retained-hbm-pct", type=number(float), default=50.0, metavar="PCT",
+    # the learnt retention is evaluated with this budget: its catalogue default is the tuner's
+    o.add_argument("--max-retained-hbm-pct", type=number(float), default=catalogue.default("learnt_retention_budget_pct"),
+                   metavar="PCT",
                    help="budget: time-averaged retained KV as a %% of all decode HBM for KV, in (0, 100] "
                         "(default: %(default)s)")
     o.add_argument("--tolerance-pct", type=number(float), default=1.0, metavar="PCT",
