@@ -250,6 +250,10 @@ def test_infinite_ttl_threshold_zero_never_recomputes_more_than_ttl_zero(cfg, co
     cfg.topology.decode_kv_blocks = 10**6
     cfg.policy.bidirectional = True
     cfg.policy.retention = "ttl"
+    # the pull path's invariant: a turn prefilled on D reuses only its own conversation's blocks of the same
+    # history revision (docs/design/simulator.md, invariant 7), so keeping a turn can send its successor to D
+    # and lose the shared prefix or the rewritten history's common part P would have reused
+    cfg.policy.prefill_on_d = "off"
     keep = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, decoder_kv_blocks_ttl=math.inf, kv_recompute_threshold=0))
     drop = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, decoder_kv_blocks_ttl=0.0))
     assert run(keep, convs)[1].summary["tokens_recomputed"] <= run(drop, convs)[1].summary["tokens_recomputed"]
