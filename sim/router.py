@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import simpy
 
 from impl.policy import ConversationEntry, ConversationStore, InstanceLoad, LeastLoaded, LeastLoadedIndex, PlacementRequest
+from impl.policy.prefill_affinity import PrefillAffinity
 
 if TYPE_CHECKING:
     from sim.workload.model import Lineage
@@ -55,7 +56,8 @@ class Router:
         self.rng = rng
         self.bidirectional = bidirectional
         self.prefix_caching = prefix_caching
-        self._last_prefill: dict[Any, tuple[str, int]] = {}  # what this router sent where (its own knowledge)
+        # which P last prefilled each conversation (what this router sent where: its own knowledge), bounded as the store
+        self.affinity = PrefillAffinity(store.max_entries)
         self.learnt: Any = None  # sim.learnt.LearntHolds under the learnt retention: it sees every arrival and finish
         self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
@@ -132,7 +134,7 @@ class Router:
 
         def prefilled() -> None:
             if self.prefix_caching:  # only placement under prefix caching reads it
-                self._last_prefill[key] = (p_name, n)
+                self.affinity.served(key, p_name, n)
             d_name = self._pick_d(n, p_node.profile.block_size)
             rec.decode_instance = d_name
             self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage, on_done)
@@ -146,9 +148,7 @@ class Router:
             return self._sole_p
         index = self._p_index
         if index is None:
-            cached = {}
-            if self.prefix_caching and key in self._last_prefill:
-                cached = {self._last_prefill[key][0]: self._last_prefill[key][1]}
+            cached = self.affinity.cached_tokens(key) if self.prefix_caching else {}
             request = PlacementRequest(prompt_tokens, cached, remote_tokens)
             return self.p_placement.pick(self._p_loads(), request, self.rng)
         indexed = self._indexed

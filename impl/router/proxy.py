@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -39,6 +38,7 @@ from aiohttp import web
 from impl.policy import ConversationEntry, Lookup, MissReason
 from impl.policy.history_key import add_anchor_length, anchor_lengths
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
+from impl.policy.prefill_affinity import PrefillAffinity
 from impl.policy.prefill_on_d import PathDecision, PathReason, TurnPath
 from impl.policy.prefix_check import REPORT_KEY
 from impl.policy.return_time import RETENTION_KEY
@@ -181,7 +181,7 @@ class TurnProxy:
         self.notify_url = notify_url
         self.clock = clock
         # which P last prefilled a conversation (its prefix cache likely holds it): KV-aware placement input
-        self._affinity: collections.OrderedDict[tuple[str, str], tuple[str, int]] = collections.OrderedDict()
+        self.affinity = PrefillAffinity(config.max_conversations)
         self.recorder = TurnRecorder(config, store, hub, metrics, clock)
         # give-back D's renewal before P reads (impl.router.heartbeat.HeartbeatRelay.renew_for_read; set by the app)
         self.renew_for_read: Callable[[ConversationEntry], Awaitable[tuple[str, float | None]]] | None = None
@@ -224,111 +224,126 @@ class TurnProxy:
                                    report=None, capture=None, prefill=None, decode=None, finished_after_s=None)
             return failed
 
-        p_name = prefill.upstream.name if on_d is None else None
-        storable = turn.match != "none" and turn.view is not None
-        d_params: dict[str, Any] = dict(prefill.kv_params) if prefill.kv_params else {}
-        learnt = None
-        if self.retention is not None and storable and d_params:  # D keeps only what P handed it
-            learnt = self.retention.arrived(turn, tenant, key)
-            d_params[RETENTION_KEY] = learnt.hold.retention_s
-        token = None
-        url = self.notify_url() if (storable and self.config.notify) else None
-        if url:
-            token = self.hub.open(request_id)
-            d_params[NOTIFY_KEY] = notify_field(url, request_id, token)
-        d_fields = dict(shared.own)  # D gets the client's body as it was, plus:
-        if d_params:
-            d_fields["kv_transfer_params"] = d_params
-        if turn.prompt_kind == "tokens" and storable:
-            d_fields["return_token_ids"] = True
-        payload = shared.encode(d_fields)
-        # what this turn got, for clients that measure (bidikv bench): names and counts, never KV locations
-        info = {"X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
-                "X-Bidikv-Reuse-Match": turn.match if offered is not None else "none"}
-        if p_name:  # absent for a turn served on D: no P leg
-            info["X-Bidikv-Prefill"] = p_name
-        if prefill.cached_tokens is not None:
-            info["X-Bidikv-Prefill-Cached-Tokens"] = str(prefill.cached_tokens)
-        if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
-            info["X-Bidikv-Reuse-Given-Back"] = "1"
-        if offered is not None and on_d is None:
-            self._account_reuse(prefill, info, key)
+        t = _Turn(turn, tenant, t0, request_id, prefill, on_d, path.suffix_tokens)
+        payload = self._decode_payload(t, shared, key)
+        info = self._turn_headers(t, offered, given_back, key)
         served = _served_path(path, on_d, offered, prefill.reuse_report)
         info["X-Bidikv-Path"], info["X-Bidikv-Path-Reason"] = served.value, path.reason.value
         self.metrics.turn_paths.inc(served.value, path.reason.value)
-        handed_off = recorded = False
-        stored_key: tuple[str, str] | None = None
-
-        async def record(capture: TurnCapture, upstream: Upstream) -> None:
-            nonlocal handed_off, recorded, stored_key
-            recorded = True
-            if not storable:
-                return
-            if not capture.complete:  # the recorder counts why; nothing is stored under any key
-                await self.recorder.finish_turn((tenant, ""), turn, capture, upstream, None)
-                return
-            if turn.match == "history" and capture.unreconstructable not in _KEYABLE_ANSWERS:
-                # tool calls (or several choices): the message the client resends cannot be told, so no
-                # key would ever find the entry
-                self.metrics.turns_not_stored.inc("unreconstructable")
-                return
-            stored = turn.stored_id(capture.answer, capture.output_token_ids)
-            if stored is None:
-                self.metrics.turns_not_stored.inc("no_token_ids")
-                return
-            if turn.match == "history" and p_name:  # the next turn looks its P up under this key
-                self._remember_affinity((tenant, stored), p_name, turn.estimated_tokens)
-            stored_key = (tenant, stored)
-            if turn.anchored:  # listed before it is stored: a next turn then waits for a pending update
-                directory = turn.anchor_directory(capture.answer, capture.output_token_ids)
-                if directory is not None:
-                    await self._list_in_directory(tenant, *directory)
-            handed_off = await self.recorder.finish_turn(stored_key, turn, capture, upstream, request_id if token else None)
-            if learnt is not None:
-                prompt = prefill.prompt_tokens if prefill.prompt_tokens is not None else turn.estimated_tokens
-                self.retention.finished(learnt, tenant, stored_key, prompt + (capture.output_tokens or 0))
-
         response: web.StreamResponse | None = None
         capture = upstream = None
-        answered = None
         fell_back = False
         if on_d is not None:  # its suffix is D's pending work until D's first token (or the end)
             self.on_d.sent(on_d, path.suffix_tokens)
-            answered = _once(lambda: self.on_d.answered(on_d, path.suffix_tokens))
+            t.answer_pending = True
         try:
             if turn.stream:
-                response, capture, upstream = await self._decode_stream(request, turn, payload, headers, t0, info, record,
-                                                                        on_d, answered)
+                response, capture, upstream = await self._decode_stream(request, t, payload, headers, info)
             else:
-                response, capture, upstream = await self._decode_json(turn, payload, headers, info, t0, on_d)
-            if not recorded and capture is not None and upstream is not None:
-                await record(capture, upstream)  # a JSON answer goes out after this returns: stored first too
+                response, capture, upstream = await self._decode_json(t, payload, headers, info)
+            if not t.recorded and capture is not None and upstream is not None:
+                await self._record(t, capture, upstream)  # a JSON answer goes out after this returns: stored first too
             return response
         except _DecodeUnavailable:
             fell_back = True
             self.metrics.turn_paths.inc(TurnPath.PREFILL_ON_D.value, "fallback")
             return None
         finally:
-            if answered is not None:
-                answered()
-            if token is not None and not handed_off:
+            self._answered(t)
+            if t.token is not None and not t.handed_off:
                 self.hub.close(request_id)
             if fell_back:
                 return None  # the P path serves the turn and traces and logs it  # noqa: B012
-            if self.tracer is not None:
-                self.tracer.record(turn=turn, tenant=tenant, request_id=request_id, arrival=_wall(t0),
-                                   status=response.status if response is not None else 499,
-                                   stored=stored_key[1] if stored_key is not None else None, offered=offered_tokens,
-                                   miss=miss, prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
-                                   report=prefill.reuse_report, capture=capture, prefill=p_name,
-                                   decode=upstream.name if upstream is not None else None,
-                                   finished_after_s=self.clock() - t0, path=served.value)
-            # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
-            # "miss": why nothing was offered (the reuse_misses label; "-" on a hit)
-            turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s path=%s next=%s", request_id,
-                          info["X-Bidikv-Reuse-Match"], shown_id(key[1]) if key else "-",
-                          offered.num_tokens if offered is not None else 0, miss or "-",
-                          p_name or "-", served.value, shown_id(stored_key[1]) if stored_key else "-")
+            self._log_turn(t, response, capture, upstream, info, key, offered_tokens, miss, served)
+
+    def _decode_payload(self, t: _Turn, shared: _SharedBody, key: tuple[str, str] | None) -> bytes:
+        """D's body: the client's as it was, with P's params (and the learnt hold and notification field)."""
+        turn = t.turn
+        d_params: dict[str, Any] = dict(t.prefill.kv_params) if t.prefill.kv_params else {}
+        if self.retention is not None and t.storable and d_params:  # D keeps only what P handed it
+            t.learnt = self.retention.arrived(turn, t.tenant, key)
+            d_params[RETENTION_KEY] = t.learnt.hold.retention_s
+        url = self.notify_url() if (t.storable and self.config.notify) else None
+        if url:
+            t.token = self.hub.open(t.request_id)
+            d_params[NOTIFY_KEY] = notify_field(url, t.request_id, t.token)
+        d_fields = dict(shared.own)  # D gets the client's body as it was, plus:
+        if d_params:
+            d_fields["kv_transfer_params"] = d_params
+        if turn.prompt_kind == "tokens" and t.storable:
+            d_fields["return_token_ids"] = True
+        return shared.encode(d_fields)
+
+    def _turn_headers(self, t: _Turn, offered: ConversationEntry | None, given_back: bool,
+                      key: tuple[str, str] | None) -> dict[str, str]:
+        """What this turn got, for clients that measure (bidikv bench): names and counts, never KV locations."""
+        info = {"X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
+                "X-Bidikv-Reuse-Match": t.turn.match if offered is not None else "none"}
+        if t.p_name:  # absent for a turn served on D: no P leg
+            info["X-Bidikv-Prefill"] = t.p_name
+        if t.prefill.cached_tokens is not None:
+            info["X-Bidikv-Prefill-Cached-Tokens"] = str(t.prefill.cached_tokens)
+        if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
+            info["X-Bidikv-Reuse-Given-Back"] = "1"
+        if offered is not None and t.on_d is None:
+            self._account_reuse(t.prefill, info, key)
+        return info
+
+    async def _record(self, t: _Turn, capture: TurnCapture, upstream: Upstream) -> None:
+        """Store a complete turn under the key its next turn looks up (before the client sees its end)."""
+        t.recorded = True
+        if not t.storable:
+            return
+        turn, tenant = t.turn, t.tenant
+        if not capture.complete:  # the recorder counts why; nothing is stored under any key
+            await self.recorder.finish_turn((tenant, ""), turn, capture, upstream, None)
+            return
+        if turn.match == "history" and capture.unreconstructable not in _KEYABLE_ANSWERS:
+            # tool calls (or several choices): the message the client resends cannot be told, so no
+            # key would ever find the entry
+            self.metrics.turns_not_stored.inc("unreconstructable")
+            return
+        stored = turn.stored_id(capture.answer, capture.output_token_ids)
+        if stored is None:
+            self.metrics.turns_not_stored.inc("no_token_ids")
+            return
+        if turn.match == "history" and t.p_name:  # the next turn looks its P up under this key
+            self.affinity.served((tenant, stored), t.p_name, turn.estimated_tokens)
+        t.stored_key = (tenant, stored)
+        if turn.anchored:  # listed before it is stored: a next turn then waits for a pending update
+            directory = turn.anchor_directory(capture.answer, capture.output_token_ids)
+            if directory is not None:
+                await self._list_in_directory(tenant, *directory)
+        t.handed_off = await self.recorder.finish_turn(t.stored_key, turn, capture, upstream,
+                                                       t.request_id if t.token else None)
+        if t.learnt is not None:
+            prefill = t.prefill
+            prompt = prefill.prompt_tokens if prefill.prompt_tokens is not None else turn.estimated_tokens
+            self.retention.finished(t.learnt, tenant, t.stored_key, prompt + (capture.output_tokens or 0))
+
+    def _answered(self, t: _Turn) -> None:
+        """D began answering a turn sent to it whole (or gave up): its suffix is no longer D's pending work."""
+        if t.answer_pending:
+            t.answer_pending = False
+            self.on_d.answered(t.on_d, t.suffix_tokens)
+
+    def _log_turn(self, t: _Turn, response: web.StreamResponse | None, capture: TurnCapture | None,
+                  upstream: Upstream | None, info: dict[str, str], key: tuple[str, str] | None, offered_tokens: int,
+                  miss: str | None, served: TurnPath) -> None:
+        stored_key, prefill = t.stored_key, t.prefill
+        if self.tracer is not None:
+            self.tracer.record(turn=t.turn, tenant=t.tenant, request_id=t.request_id, arrival=_wall(t.t0),
+                               status=response.status if response is not None else 499,
+                               stored=stored_key[1] if stored_key is not None else None, offered=offered_tokens,
+                               miss=miss, prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
+                               report=prefill.reuse_report, capture=capture, prefill=t.p_name,
+                               decode=upstream.name if upstream is not None else None,
+                               finished_after_s=self.clock() - t.t0, path=served.value)
+        # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
+        # "miss": why nothing was offered (the reuse_misses label; "-" on a hit)
+        turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s path=%s next=%s", t.request_id,
+                      info["X-Bidikv-Reuse-Match"], shown_id(key[1]) if key else "-", offered_tokens, miss or "-",
+                      t.p_name or "-", served.value, shown_id(stored_key[1]) if stored_key else "-")
 
     # -- 1. lookup --------------------------------------------------------------------------------
     async def _lookup(self, turn: TurnRequest, tenant: str
@@ -416,81 +431,7 @@ class TurnProxy:
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
                        headers: dict[str, str], key: tuple[str, str] | None) -> PrefillResult:
-        body = {k: v for k, v in shared.own.items() if k not in _PREFILL_DROP}  # P's own fields; the rest is shared
-        body["stream"] = False
-        body["max_tokens"] = 1
-        reuse = offered is not None
-        tried: set[str] = set()
-        stale_retries = STALE_RETRIES
-        last_failure = UpstreamFailure(503, "no prefill instance is available")
-        cached = None
-        if key is not None and key in self._affinity:
-            name, tokens = self._affinity[key]
-            cached = {name: tokens}
-        while True:
-            if reuse:
-                params = dict(offered.kv_params)
-                params["do_remote_decode"] = True
-                params["do_remote_prefill"] = False
-            else:
-                params = dict(FRESH_TURN_PARAMS)
-            body["kv_transfer_params"] = params
-            upstream = self.prefill.pick(turn.estimated_tokens, tried,
-                                         offered.num_tokens if reuse else 0, cached)
-            if upstream is None:
-                raise last_failure
-            tried.add(upstream.name)
-            payload = shared.encode(body)
-            upstream.in_flight += 1
-            upstream.in_flight_tokens += turn.estimated_tokens
-            try:
-                resp = await self.client.request("POST", upstream.url_for(turn.endpoint), payload, headers,
-                                                 timeout=self.config.prefill_timeout_s)
-                try:
-                    status = resp.status
-                    raw = await resp.read()
-                finally:
-                    resp.release()
-            except UpstreamError as e:
-                last_failure, retry_same = self._connection_failure("prefill", self.prefill, upstream, e, stale_retries)
-                if retry_same:
-                    stale_retries -= 1
-                    tried.discard(upstream.name)
-                continue
-            finally:
-                upstream.in_flight -= 1
-                upstream.in_flight_tokens -= turn.estimated_tokens
-            if status == 200:
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    obj = None
-                if not isinstance(obj, dict):
-                    self.metrics.upstream_errors.inc(upstream.name, "prefill", "bad_body")
-                    last_failure = UpstreamFailure(502, "prefill returned an unreadable body")
-                    continue
-                kv = obj.get("kv_transfer_params")
-                report = None
-                if not isinstance(kv, dict) or not kv:
-                    kv = None  # P without a KV connector: D computes the prompt itself
-                else:
-                    kv = dict(kv)
-                    report = kv.pop(REPORT_KEY, None)  # for the router, not for D
-                    if self.config.rewrite_remote_host:
-                        kv["remote_host"] = upstream.host
-                if key is not None:
-                    self._remember_affinity(key, upstream.name, turn.estimated_tokens)
-                return PrefillResult(upstream, kv, cached_tokens=_cached_tokens(obj),
-                                     reuse_report=report if reuse else None, prompt_tokens=_prompt_tokens(obj))
-            if 400 <= status < 500 and status != 408:
-                raise _PassThrough(_passthrough_error(status, raw, params))
-            self.metrics.upstream_errors.inc(upstream.name, "prefill", f"http_{status}")
-            last_failure = UpstreamFailure(502, f"prefill failed with HTTP {status}")
-            if reuse:
-                # maybe the pull failed (kv_load_failure_policy "fail"): same instance, no reuse
-                reuse = False
-                tried.discard(upstream.name)
-                self.metrics.reuse_misses.inc("prefill_error")
+        return await self._retrying(_PrefillLeg(self, turn, shared, offered, headers, key))
 
     def _account_reuse(self, prefill: PrefillResult, info: dict[str, str], key: tuple[str, str] | None) -> None:
         """P's report of an offered turn: counted, logged when P refused part of it, and in the headers."""
@@ -513,11 +454,37 @@ class TurnProxy:
                      shown_id(key[1]) if key else "-", counts.get("verified", 0), counts["offered"], reason,
                      counts.get("pulled", 0))
 
-    def _remember_affinity(self, key: tuple[str, str], name: str, tokens: int) -> None:
-        self._affinity[key] = (name, tokens)
-        self._affinity.move_to_end(key)
-        while len(self._affinity) > self.config.max_conversations:
-            self._affinity.popitem(last=False)
+    async def _retrying(self, leg: _Leg) -> Any:
+        """Send ``leg`` (P's or D's request) to one instance after another until one answers it.
+
+        An instance that cannot be reached, drops the connection or times out before answering is left
+        for the next (a keep-alive connection it had closed: the same one again, up to ``STALE_RETRIES``
+        times); its 4xx (408 aside) is the client's own error, passed on; any other status is the
+        instance's failure, and the leg may retry it differently (:meth:`_Leg.rejected`). Raises the
+        last failure (UpstreamFailure) when no instance is left, or _PassThrough."""
+        while True:
+            upstream = leg.pick()
+            if upstream is None:
+                raise leg.failure
+            leg.tried.add(upstream.name)
+            try:
+                status, answer = await leg.send(upstream)
+            except UpstreamError as e:
+                leg.failure, retry_same = self._connection_failure(leg.role, leg.pool, upstream, e, leg.stale_retries)
+                if retry_same:
+                    leg.stale_retries -= 1
+                    leg.tried.discard(upstream.name)
+                continue
+            if status == 200:
+                result = leg.answered(upstream, answer)
+                if result is not None:
+                    return result
+                continue
+            if 400 <= status < 500 and status != 408:
+                raise _PassThrough(_passthrough_error(status, answer, leg.sent_params()))
+            self.metrics.upstream_errors.inc(upstream.name, leg.role, f"http_{status}")
+            leg.failure = UpstreamFailure(502, f"{leg.role} failed with HTTP {status}")
+            leg.rejected(upstream)
 
     def _connection_failure(self, role: str, pool: UpstreamPool, upstream: Upstream, exc: BaseException,
                             stale_retries: int) -> tuple[UpstreamFailure, bool]:
@@ -546,45 +513,13 @@ class TurnProxy:
                            only: Upstream | None = None) -> tuple[UpstreamResponse, Upstream]:
         """A 200 response from some D (caller must release it), or UpstreamFailure / _PassThrough. With
         ``only``, that D or _DecodeUnavailable (the caller serves the turn another way)."""
-        tried: set[str] = set()
-        stale_retries = STALE_RETRIES
-        last_failure = UpstreamFailure(503, "no decode instance is available")
-        while True:
-            if only is not None:
-                upstream = only if only.name not in tried else None
-                if upstream is None:
-                    raise _DecodeUnavailable(last_failure.message)
-            else:
-                upstream = self.decode.pick(turn.estimated_tokens, tried)
-            if upstream is None:
-                raise last_failure
-            tried.add(upstream.name)
-            try:
-                resp = await self.client.request("POST", upstream.url_for(turn.endpoint), payload, headers,
-                                                 idle_timeout=self.config.decode_idle_timeout_s)
-            except UpstreamError as e:
-                last_failure, retry_same = self._connection_failure("decode", self.decode, upstream, e, stale_retries)
-                if retry_same:
-                    stale_retries -= 1
-                    tried.discard(upstream.name)
-                continue
-            if resp.status == 200:
-                return resp, upstream
-            try:
-                raw = await resp.read()
-            except UpstreamError:
-                raw = b""
-            finally:
-                resp.release()
-            if 400 <= resp.status < 500 and resp.status != 408:
-                raise _PassThrough(_passthrough_error(resp.status, raw, _sent_params(payload)))
-            self.metrics.upstream_errors.inc(upstream.name, "decode", f"http_{resp.status}")
-            last_failure = UpstreamFailure(502, f"decode failed with HTTP {resp.status}")
+        return await self._retrying(_DecodeLeg(self, turn, payload, headers, only))
 
-    async def _decode_json(self, turn: TurnRequest, payload: bytes, headers: dict[str, str], info: dict[str, str],
-                           t0: float, only: Upstream | None = None) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+    async def _decode_json(self, t: _Turn, payload: bytes, headers: dict[str, str], info: dict[str, str],
+                           ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+        turn = t.turn
         try:
-            resp, upstream = await self._open_decode(turn, payload, headers, only)
+            resp, upstream = await self._open_decode(turn, payload, headers, t.on_d)
         except UpstreamFailure as e:
             return e.response(), None, None
         except _PassThrough as e:
@@ -598,7 +533,7 @@ class TurnProxy:
         finally:
             resp.release()
         capture = TurnCapture(chat=turn.endpoint == "chat")
-        capture.first_token_s = self.clock() - t0  # a whole answer: its first token arrives with its last
+        capture.first_token_s = self.clock() - t.t0  # a whole answer: its first token arrives with its last
         try:
             obj = json.loads(raw)
         except ValueError:
@@ -608,12 +543,11 @@ class TurnProxy:
         body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
         return web.Response(body=body, headers={**_JSON_HEADERS, **info, "X-Bidikv-Decode": upstream.name}), capture, upstream
 
-    async def _decode_stream(self, request: web.Request, turn: TurnRequest, payload: bytes, headers: dict[str, str],
-                             t0: float, info: dict[str, str], record: Callable[[TurnCapture, Upstream], Awaitable[None]],
-                             only: Upstream | None = None, first_token: Callable[[], None] | None = None,
-                             ) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+    async def _decode_stream(self, request: web.Request, t: _Turn, payload: bytes, headers: dict[str, str],
+                             info: dict[str, str]) -> tuple[web.StreamResponse, TurnCapture | None, Upstream | None]:
+        turn = t.turn
         try:
-            resp, upstream = await self._open_decode(turn, payload, headers, only)
+            resp, upstream = await self._open_decode(turn, payload, headers, t.on_d)
         except UpstreamFailure as e:
             return e.response(), None, None
         except _PassThrough as e:
@@ -647,10 +581,9 @@ class TurnProxy:
                         parts.append(ev.raw if replacement is None else format_event(replacement))
                     if not first_token_seen and capture.events:
                         first_token_seen = True
-                        capture.first_token_s = self.clock() - t0
+                        capture.first_token_s = self.clock() - t.t0
                         self.metrics.ttft.observe(capture.first_token_s)
-                        if first_token is not None:
-                            first_token()
+                        self._answered(t)
                     data = b"".join(parts) if len(parts) > 1 else parts[0]
                     if resp.complete:
                         final = data  # the loop ends here: goes out with write_eof below
@@ -682,7 +615,7 @@ class TurnProxy:
                 # stored before the client can see [DONE]: a client that sends its next turn at once
                 # must find this one (stored after write_eof, a loaded router could resume this handler
                 # only after that next turn's lookup)
-                await record(capture, upstream)
+                await self._record(t, capture, upstream)
             await out.write_eof(final)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self.metrics.stream_errors.inc("client_gone")
@@ -699,6 +632,189 @@ class TurnProxy:
         await self.client.close()
 
 
+@dataclass(slots=True, eq=False)
+class _Turn:
+    """One turn's facts and outcome, shared by the steps of :meth:`TurnProxy._turn`."""
+
+    turn: TurnRequest
+    tenant: str
+    t0: float
+    request_id: str
+    prefill: PrefillResult
+    on_d: Upstream | None  # the D the whole turn went to (prefill on D), else None
+    suffix_tokens: int  # the suffix D computes when ``on_d``
+    learnt: Any = None  # the learnt hold D was sent (impl.router.retention), if any
+    token: str | None = None  # the notification token D was sent, if any
+    answer_pending: bool = False  # the turn's suffix counts as D's pending work until D answers
+    recorded: bool = False  # the turn reached the recorder (or was found not storable)
+    handed_off: bool = False  # the recorder took over the notification token
+    stored_key: tuple[str, str] | None = None
+    storable: bool = dataclasses.field(init=False)
+    p_name: str | None = dataclasses.field(init=False)  # None for a turn served on D: no P leg
+
+    def __post_init__(self) -> None:
+        self.storable = self.turn.match != "none" and self.turn.view is not None
+        self.p_name = self.prefill.upstream.name if self.on_d is None else None
+
+
+class _Leg:
+    """One request (P's or D's) as :meth:`TurnProxy._retrying` sends it: the instances tried, the
+    stale-connection retries left and the failure to report if no instance answers."""
+
+    __slots__ = ("proxy", "role", "pool", "turn", "headers", "tried", "stale_retries", "failure")
+
+    def __init__(self, proxy: TurnProxy, role: str, pool: UpstreamPool, turn: TurnRequest,
+                 headers: dict[str, str]) -> None:
+        self.proxy = proxy
+        self.role = role
+        self.pool = pool
+        self.turn = turn
+        self.headers = headers
+        self.tried: set[str] = set()
+        self.stale_retries = STALE_RETRIES
+        self.failure = UpstreamFailure(503, f"no {role} instance is available")
+
+    def pick(self) -> Upstream | None:
+        """The next instance to send to (None: none is left)."""
+        raise NotImplementedError
+
+    async def send(self, upstream: Upstream) -> tuple[int, Any]:
+        """The status and what ``answered`` takes (200) or the error body (else); UpstreamError before
+        any answer."""
+        raise NotImplementedError
+
+    def answered(self, upstream: Upstream, answer: Any) -> Any:
+        """The leg's result from a 200 answer, or None (``failure`` set) to try the next instance."""
+        raise NotImplementedError
+
+    def sent_params(self) -> Any:
+        """The kv_transfer_params sent (an error quoting them is not passed on)."""
+        raise NotImplementedError
+
+    def rejected(self, upstream: Upstream) -> None:
+        """``upstream`` answered with a server error."""
+
+
+class _PrefillLeg(_Leg):
+    """P's request: ``max_tokens=1`` with D's params when reuse is offered; a P's server error after an
+    offer is retried on the same P without it (a failed pull under ``kv_load_failure_policy: "fail"``
+    must not fail the turn)."""
+
+    __slots__ = ("shared", "offered", "key", "body", "reuse", "params", "cached")
+
+    def __init__(self, proxy: TurnProxy, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
+                 headers: dict[str, str], key: tuple[str, str] | None) -> None:
+        super().__init__(proxy, "prefill", proxy.prefill, turn, headers)
+        self.shared = shared
+        self.offered = offered
+        self.key = key
+        body = {k: v for k, v in shared.own.items() if k not in _PREFILL_DROP}  # P's own fields; the rest is shared
+        body["stream"] = False
+        body["max_tokens"] = 1
+        self.body = body
+        self.reuse = offered is not None
+        self.params: dict[str, Any] = {}
+        self.cached = proxy.affinity.cached_tokens(key) if key is not None else {}
+
+    def pick(self) -> Upstream | None:
+        if self.reuse:
+            params = dict(self.offered.kv_params)  # type: ignore[union-attr]
+            params["do_remote_decode"] = True
+            params["do_remote_prefill"] = False
+        else:
+            params = dict(FRESH_TURN_PARAMS)
+        self.params = self.body["kv_transfer_params"] = params
+        return self.pool.pick(self.turn.estimated_tokens, self.tried,
+                              self.offered.num_tokens if self.reuse else 0, self.cached)  # type: ignore[union-attr]
+
+    async def send(self, upstream: Upstream) -> tuple[int, bytes]:
+        tokens = self.turn.estimated_tokens
+        payload = self.shared.encode(self.body)
+        upstream.in_flight += 1
+        upstream.in_flight_tokens += tokens
+        try:
+            resp = await self.proxy.client.request("POST", upstream.url_for(self.turn.endpoint), payload, self.headers,
+                                                   timeout=self.proxy.config.prefill_timeout_s)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+        finally:
+            upstream.in_flight -= 1
+            upstream.in_flight_tokens -= tokens
+
+    def answered(self, upstream: Upstream, answer: bytes) -> PrefillResult | None:
+        """P's params for D (P's prefix cache now holds the conversation), or None for an unreadable body."""
+        try:
+            obj = json.loads(answer)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self.proxy.metrics.upstream_errors.inc(upstream.name, "prefill", "bad_body")
+            self.failure = UpstreamFailure(502, "prefill returned an unreadable body")
+            return None
+        kv = obj.get("kv_transfer_params")
+        report = None
+        if not isinstance(kv, dict) or not kv:
+            kv = None  # P without a KV connector: D computes the prompt itself
+        else:
+            kv = dict(kv)
+            report = kv.pop(REPORT_KEY, None)  # for the router, not for D
+            if self.proxy.config.rewrite_remote_host:
+                kv["remote_host"] = upstream.host
+        if self.key is not None:
+            self.proxy.affinity.served(self.key, upstream.name, self.turn.estimated_tokens)
+        return PrefillResult(upstream, kv, cached_tokens=_cached_tokens(obj),
+                             reuse_report=report if self.reuse else None, prompt_tokens=_prompt_tokens(obj))
+
+    def sent_params(self) -> dict[str, Any]:
+        return self.params
+
+    def rejected(self, upstream: Upstream) -> None:
+        if self.reuse:
+            # maybe the pull failed (kv_load_failure_policy "fail"): same instance, no reuse
+            self.reuse = False
+            self.tried.discard(upstream.name)
+            self.proxy.metrics.reuse_misses.inc("prefill_error")
+
+
+class _DecodeLeg(_Leg):
+    """D's request, streamed: the open 200 response is the result; with ``only``, that D alone, and
+    _DecodeUnavailable once it failed (the turn is then served another way)."""
+
+    __slots__ = ("payload", "only")
+
+    def __init__(self, proxy: TurnProxy, turn: TurnRequest, payload: bytes, headers: dict[str, str],
+                 only: Upstream | None) -> None:
+        super().__init__(proxy, "decode", proxy.decode, turn, headers)
+        self.payload = payload
+        self.only = only
+
+    def pick(self) -> Upstream | None:
+        if self.only is not None:
+            if self.only.name in self.tried:
+                raise _DecodeUnavailable(self.failure.message)
+            return self.only
+        return self.pool.pick(self.turn.estimated_tokens, self.tried)
+
+    async def send(self, upstream: Upstream) -> tuple[int, Any]:
+        resp = await self.proxy.client.request("POST", upstream.url_for(self.turn.endpoint), self.payload, self.headers,
+                                               idle_timeout=self.proxy.config.decode_idle_timeout_s)
+        if resp.status == 200:
+            return 200, resp
+        try:
+            raw = await resp.read()
+        except UpstreamError:
+            raw = b""
+        finally:
+            resp.release()
+        return resp.status, raw
+
+    def answered(self, upstream: Upstream, answer: UpstreamResponse) -> tuple[UpstreamResponse, Upstream]:
+        return answer, upstream
+
+    def sent_params(self) -> Any:
+        return _sent_params(self.payload)
 class _EventStreamResponse(web.StreamResponse):
     """aiohttp's StreamResponse whose headers may wait for the first body write and go out with it
     (as aiohttp does for web.Response): one send and one wake-up of the client instead of two.
@@ -713,18 +829,6 @@ class _EventStreamResponse(web.StreamResponse):
 
 class _DecodeUnavailable(Exception):
     """The one D a turn was sent to could not take it before answering (prefill on D falls back to P)."""
-
-
-def _once(action: Callable[[], None]) -> Callable[[], None]:
-    done = False
-
-    def run() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            action()
-
-    return run
 
 
 _OFF = PathDecision(TurnPath.RECOMPUTE_ON_P, PathReason.OFF, 0)

@@ -65,7 +65,7 @@ async def test_store_bound_evicts_lru_under_an_id_flood():
         assert dep.router.store.stats.evictions + len(dep.router.store) == 120, dep.router.store.stats
         assert len(dep.router.store) == 50
         assert dep.router.store.stats.evictions == 70
-        assert len(dep.router.proxy._affinity) <= 50
+        assert len(dep.router.proxy.affinity) <= 50
 
 
 class RouterStoreMachine(RuleBasedStateMachine):
