@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import simpy
 
-from impl.policy import GiveBack, RetainedPool, releases
+from impl.policy import GiveBack, GiveBackLedger, RetainedPool
 from impl.policy.catalogue import SIM, UNDER_PRESSURE
 from impl.policy.store import usable_until
 from sim.instant import after
@@ -137,12 +137,6 @@ class DecodeNode:
             raise ValueError("give_back settings go with pressure_mode 'give_back' and only with it")
         self.drops_on_demand = pressure_mode == "instant_drop"
         self.give_back = give_back
-        # give_back: entries whose renewals stopped -> when they were withheld (they lapse at their pool expiry),
-        # and every retained entry's last published expiry (at its finish or a client heartbeat's renewal;
-        # the router's ask just before P reads publishes one more, but the read takes the entry then)
-        self._lapsing: dict[Any, float] = {}
-        self._published: dict[Any, float] = {}
-        self.lapsing_blocks = 0
         self._headroom_blocks = give_back.headroom_blocks(capacity_blocks) if give_back is not None else 0
         self._expiry_wake_at = math.inf  # the expiry a timer will wake waiting turns at (inf: none armed)
         bs = self._bs = profile.block_size
@@ -154,6 +148,10 @@ class DecodeNode:
         # running + arriving blocks)
         self.load_dirty: set[DecodeNode] = set()
         self.retained = RetainedPool()
+        # give_back: the connector's bookkeeping (impl.policy.give_back) over the retained pool: each entry's last
+        # published expiry (at its finish or a client heartbeat's renewal; the router's ask just before P reads
+        # publishes one more, but the read takes the entry then), and the lapsing ones at their free time
+        self.ledger = GiveBackLedger(give_back, self.retained) if give_back is not None else None
         # key -> (tokens, revision, finished_at, turn): "turn" is the conversation's turn whose prompt + output they hold
         self._retained_meta: dict[Any, tuple[int, int, float, int]] = {}
         self._reading: dict[Any, tuple[int, int, int, int]] = {}  # key -> (tokens, revision, blocks, turn)
@@ -235,10 +233,10 @@ class DecodeNode:
             self._integrate_retained(nxt)
             for key, blocks in retained.pop_expired(nxt):
                 tokens, revision, _, turn = self._retained_meta.pop(key)
-                if self._published:
-                    del self._published[key]
-                if self._lapsing and key in self._lapsing:
-                    self._lapse_done(key, blocks, nxt)
+                withheld_at = self.ledger.expired(key, blocks) if self.ledger is not None else None
+                if withheld_at is not None:  # a lapsing entry reached its last published expiry: given back
+                    self.totals.give_back_s += nxt - withheld_at
+                    self._fate[key] = "given_back"
                 else:
                     self._fate[key] = "expired"
                 self._to_cache(key, tokens, revision, blocks, turn)
@@ -270,14 +268,15 @@ class DecodeNode:
         """Retain a finished turn's blocks (``turn``: the conversation's turn whose prompt + output they
         hold); called right after ``_advance_retention(now)``, so the retained blocks are integrated up to
         now."""
-        retained = self.retained
-        if self.give_back is not None and key in retained:  # its next turn's blocks replace the entry
-            self._forget_lapsing(key, retained.discard(key))
-        retained.add(key, blocks, expires_at)
+        retained, ledger = self.retained, self.ledger
+        if ledger is None:
+            retained.add(key, blocks, expires_at)
+        else:
+            if key in ledger:  # its next turn's blocks replace the entry
+                ledger.remove(key)
+            ledger.add(key, blocks, now, expires_at)
         if expires_at < self._expiry_bound:
             self._expiry_bound = expires_at
-        if self.give_back is not None:
-            self._published[key] = self.give_back.published_expiry(expires_at, now)
         self._retained_meta[key] = (tokens, revision, now, turn)
         self._fate.pop(key, None)
         totals = self.totals
@@ -372,45 +371,33 @@ class DecodeNode:
 
     def _check_headroom(self, now: float) -> None:
         """Below the watermark: start giving back (called where allocations take blocks)."""
-        if self._pressure_free() + self.lapsing_blocks < self._headroom_blocks and len(self.retained) > len(self._lapsing):
+        ledger = self.ledger
+        if (self._pressure_free() + ledger.lapsing_blocks < self._headroom_blocks  # type: ignore[union-attr]
+                and len(self.retained) > len(ledger.lapsing)):  # type: ignore[union-attr]
             self._give_back_for(0, now)
 
     def _give_back_for(self, waiting_blocks: int, now: float) -> None:
-        give_back = self.give_back
-        assert give_back is not None
-        short = give_back.shortfall(self.capacity, self._pressure_free(), self.lapsing_blocks, waiting_blocks)
+        ledger = self.ledger
+        assert ledger is not None
+        short = ledger.rules.shortfall(self.capacity, self._pressure_free(), ledger.lapsing_blocks, waiting_blocks)
         if not short:
             return
-        victims = releases(self.retained, short, self._lapsing)
+        victims = ledger.withhold_for(short, now)  # moved in the pool to their free time: retained blocks unchanged
         if not victims:
             return
         self._integrate_retained(now)
         retained, totals = self.retained, self.totals
         for key in victims:
-            free_at = give_back.free_at(self._published[key], now)
-            blocks = retained.discard(key)
-            retained.add(key, blocks, free_at)
-            if free_at < self._expiry_bound:
-                self._expiry_bound = free_at
-            self._lapsing[key] = now
-            self.lapsing_blocks += blocks
+            free_at = retained.expiry(key)
+            if free_at < self._expiry_bound:  # type: ignore[operator]
+                self._expiry_bound = free_at  # type: ignore[assignment]
             totals.given_back += 1
-            totals.given_back_blocks += blocks
+            totals.given_back_blocks += retained.blocks_of(key)
 
-    def _lapse_done(self, key: Any, blocks: int, at: float) -> None:
-        """A lapsing entry reached its last published expiry: its blocks are back."""
-        withheld_at = self._lapsing.pop(key)
-        self.lapsing_blocks -= blocks
-        self.totals.give_back_s += at - withheld_at
-        self._fate[key] = "given_back"
-
-    def _forget_lapsing(self, key: Any, blocks: int) -> None:
-        """A retained entry left the pool another way than expiry (read, taken by its next turn,
-        replaced, declined): its give-back bookkeeping goes too."""
-        if self._published:
-            self._published.pop(key, None)
-        if self._lapsing.pop(key, None) is not None:
-            self.lapsing_blocks -= blocks
+    def _release_retained(self, key: Any) -> int:
+        """A retained entry leaves the pool another way than expiry (read, declined, unpinned): its blocks
+        (and its give-back bookkeeping)."""
+        return self.ledger.remove(key) if self.ledger is not None else self.retained.discard(key)
 
     # -- D->P reads of retained blocks -------------------------------------------------------------
     def holds(self, key: Any) -> int:
@@ -429,18 +416,15 @@ class DecodeNode:
         meta = self._retained_meta.get(key)
         if meta is None:
             return self._fate.get(key, "unknown")
-        expires_at = self.retained.expiry(key)
-        lapsing = self._lapsing and key in self._lapsing
-        # vLLM's P declines reads this close to expiry (``expires_at``: retained, so not None); a lapsing
-        # entry's is the last one D published (impl.policy.give_back: the router's ask renews no other)
-        if lapsing:
-            if now >= usable_until(self._published[key], self.margin):
+        ledger = self.ledger
+        # vLLM's P declines reads this close to expiry (retained, so not None); a lapsing entry's is the
+        # last one D published (impl.policy.give_back: the router's ask renews no other)
+        if ledger is not None and key in ledger.lapsing:
+            if now >= usable_until(ledger.published(key), self.margin):  # type: ignore[arg-type]
                 return "given_back"
-        elif now >= usable_until(expires_at, self.margin):  # type: ignore[arg-type]
+        elif now >= usable_until(self.retained.expiry(key), self.margin):  # type: ignore[arg-type]
             return "expired"
-        blocks = self.retained.discard(key)
-        if self.give_back is not None:
-            self._forget_lapsing(key, blocks)
+        blocks = self._release_retained(key)
         del self._retained_meta[key]
         self._reading[key] = (meta[0], meta[1], blocks, meta[3])
         self.reading_blocks += blocks
@@ -473,8 +457,7 @@ class DecodeNode:
         meta = self._retained_meta.pop(key, None)
         if meta is None:
             return False
-        blocks = self.retained.discard(key)
-        self._forget_lapsing(key, blocks)
+        blocks = self._release_retained(key)
         self._fate[key] = fate
         self._to_cache(key, meta[0], meta[1], blocks, meta[3])
         self.load_dirty.add(self)
@@ -489,7 +472,8 @@ class DecodeNode:
         if meta is None:
             return None
         current = self.retained.expiry(key)
-        if self._lapsing and key in self._lapsing:
+        ledger = self.ledger
+        if ledger is not None and key in ledger.lapsing:
             return current  # given back: a lapsing entry stays lapsing
         renewed = self.retention.renew(current, meta[2], now)
         if renewed != current:
@@ -497,10 +481,8 @@ class DecodeNode:
             self.retained.add(key, self.retained.discard(key), renewed)
             if renewed < self._expiry_bound:
                 self._expiry_bound = renewed
-        if self.give_back is not None:  # the heartbeat's answer is a publication: D renews its window
-            published = self.give_back.published_expiry(renewed, now)  # type: ignore[arg-type]
-            if published > self._published[key]:
-                self._published[key] = published
+        if ledger is not None:  # the heartbeat's answer is a publication: D renews its window
+            ledger.renew(key, now)
         return renewed
 
     # -- one turn on D ---------------------------------------------------------------------------
@@ -589,8 +571,7 @@ class DecodeNode:
         key = seq.key
         if source == "retained":
             self._integrate_retained(self.env._now)
-            self.retained.discard(key)
-            self._forget_lapsing(key, entry_blocks)
+            self._release_retained(key)
             del self._retained_meta[key]
             self._fate[key] = "taken"
         elif source == "cache":

@@ -108,108 +108,110 @@ def releases(pool: RetainedPool, shortfall_blocks: int, lapsing: Container[Hasha
     return out
 
 
-@dataclass(slots=True)
-class _Entry:
-    intended: float  # what the retention policy wants (its expiry on finish, or a lease's renewal)
-    published: float  # the latest expiry D has published: only ever grows
-    withheld_at: float = math.nan  # when its renewals stopped (nan: still renewed)
-
-    @property
-    def lapsing(self) -> bool:
-        return not math.isnan(self.withheld_at)
-
-
 class GiveBackLedger:
-    """What D has published for each retained entry, and when each may be freed: the connector's
-    bookkeeping of :class:`GiveBack` (the simulator keeps the same facts in its block pool).
+    """What D has published for each retained entry, and when each may be freed: the bookkeeping of
+    :class:`GiveBack` that the connector and the simulator's decode node both run.
 
     The one rule it enforces: a lapsing entry is freed at the latest expiry D ever published for it,
     never sooner, and nothing is published for an entry once it lapses. An entry that keeps being
     renewed lives to its intended expiry (D never publishes beyond it).
+
+    ``pool`` holds every entry at the time it may be freed: its intended expiry while it is renewed,
+    its free time once it lapses (lapsing entries are never chosen again, so the pressure order of
+    the renewed ones is unchanged). A holder of the pool may pop expired entries itself (the
+    simulator's decode node, whose pool also serves the modes without give-back) and tell the ledger
+    with :meth:`expired`.
     """
 
-    __slots__ = ("rules", "_entries", "pool", "_lapsing", "lapsing_blocks")
+    __slots__ = ("rules", "pool", "_published", "lapsing", "lapsing_blocks")
 
-    def __init__(self, rules: GiveBack) -> None:
+    def __init__(self, rules: GiveBack, pool: RetainedPool | None = None) -> None:
         self.rules = rules
-        self._entries: dict[Hashable, _Entry] = {}
-        self.pool = RetainedPool()  # every held entry by intended expiry: the pressure order
-        self._lapsing: set[Hashable] = set()  # kept as entries lapse and leave: a step's check reads it
+        self.pool = pool if pool is not None else RetainedPool()
+        self._published: dict[Hashable, float] = {}  # every entry: the latest expiry D published (only grows)
+        self.lapsing: dict[Hashable, float] = {}  # the lapsing entries -> when their renewals stopped
         self.lapsing_blocks = 0
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return key in self._published
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._published)
 
     def add(self, key: Hashable, blocks: int, finished_at: float, intended_expiry: float) -> float:
         """A finished turn is retained: the expiry to publish with it."""
-        if key in self._entries:
+        if key in self._published:
             raise ValueError(f"entry {key!r} is already retained")
         published = self.rules.published_expiry(intended_expiry, finished_at)
-        self._entries[key] = _Entry(intended_expiry, published)
+        self._published[key] = published
         self.pool.add(key, blocks, intended_expiry)
         return published
 
     def renew(self, key: Hashable, now: float) -> float | None:
-        """The router asks before it sends a turn to P: the expiry to publish now, or None when the entry
-        is lapsing or gone (then the router forwards nothing newer: P reads only before the expiry it
-        already has, if that is still ahead)."""
-        entry = self._entries.get(key)
-        if entry is None or entry.lapsing:
+        """The router asks before it sends a turn to P (or a client's heartbeat reaches D): the expiry to
+        publish now, or None when the entry is lapsing or gone (then the router forwards nothing newer:
+        P reads only before the expiry it already has, if that is still ahead)."""
+        last = self._published.get(key)
+        if last is None or key in self.lapsing:
             return None
-        new = self.rules.published_expiry(entry.intended, now)
-        if new > entry.published:
-            entry.published = new
-        return entry.published
+        new = self.rules.published_expiry(self.pool.expiry(key), now)  # type: ignore[arg-type]
+        if new > last:
+            self._published[key] = last = new
+        return last
 
     def extend(self, key: Hashable, intended_expiry: float) -> None:
         """The retention policy moved the intended expiry (a lease's heartbeat): later only."""
-        entry = self._entries.get(key)
-        if entry is not None and not entry.lapsing and intended_expiry > entry.intended:
-            entry.intended = intended_expiry
-            self.pool.add(key, self.pool.discard(key), intended_expiry)
+        if key in self._published and key not in self.lapsing:
+            pool = self.pool
+            if intended_expiry > pool.expiry(key):  # type: ignore[operator]
+                pool.add(key, pool.discard(key), intended_expiry)
 
     def withhold_for(self, shortfall_blocks: int, now: float) -> list[Hashable]:
         """Stop renewing the entries :func:`releases` names for ``shortfall_blocks``: they lapse at their
-        last published expiry. Returns them."""
-        keys = releases(self.pool, shortfall_blocks, self._lapsing)
+        last published expiry (their place in ``pool`` moves there). Returns them."""
+        pool, lapsing, free_at = self.pool, self.lapsing, self.rules.free_at
+        keys = releases(pool, shortfall_blocks, lapsing)
         for key in keys:
-            self._entries[key].withheld_at = now
-            self._lapsing.add(key)
-            self.lapsing_blocks += self.pool.blocks_of(key)
+            blocks = pool.discard(key)
+            pool.add(key, blocks, free_at(self._published[key], now))
+            lapsing[key] = now
+            self.lapsing_blocks += blocks
         return keys
 
     def withheld_at(self, key: Hashable) -> float | None:
         """When the entry's renewals stopped (None: still renewed, or unknown)."""
-        entry = self._entries.get(key)
-        return entry.withheld_at if entry is not None and entry.lapsing else None
+        return self.lapsing.get(key)
 
     def is_lapsing(self, key: Hashable) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.lapsing
+        return key in self.lapsing
 
     def published(self, key: Hashable) -> float | None:
-        entry = self._entries.get(key)
-        return None if entry is None else entry.published
+        return self._published.get(key)
 
     def free_at(self, key: Hashable) -> float:
         """When the entry may be freed: once lapsing, its last published expiry (or when it lapsed, if
         that was later); else its intended expiry."""
-        entry = self._entries[key]
-        return self.rules.free_at(entry.published, entry.withheld_at) if entry.lapsing else entry.intended
+        free_at = self.pool.expiry(key)
+        if free_at is None:
+            raise KeyError(key)
+        return free_at
 
     def due(self, now: float) -> list[Hashable]:
         """Entries that may be freed at ``now``."""
-        return [k for k in self._entries if now >= self.free_at(k)]
+        return [k for k in self._published if now >= self.free_at(k)]
 
-    def remove(self, key: Hashable) -> None:
-        """The entry is gone (freed when due, or read and released by its reader)."""
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return
+    def remove(self, key: Hashable) -> int:
+        """The entry is gone (freed when due, or read and released by its reader): the blocks it held."""
         blocks = self.pool.discard(key)
-        if entry.lapsing:
-            self._lapsing.discard(key)
+        self.expired(key, blocks)
+        return blocks
+
+    def expired(self, key: Hashable, blocks: int) -> float | None:
+        """The entry of ``blocks`` left ``pool`` at its free time (its holder popped it): forgotten.
+        Returns when it was withheld if it lapsed (None if it was renewed to the end, or unknown)."""
+        if self._published.pop(key, None) is None:
+            return None
+        withheld_at = self.lapsing.pop(key, None)
+        if withheld_at is not None:
             self.lapsing_blocks -= blocks
+        return withheld_at
