@@ -35,12 +35,18 @@ STAMP = PACKAGE_DIR / "_native.json"
 PURE_ENV = "BIDIKV_PURE_SIM"
 
 
+def _within(module: str) -> str:
+    """A module's path inside the package, without suffix: "sim.engine.decode" -> "engine/decode"."""
+    return "/".join(module.split(".")[1:])
+
+
 def source_path(module: str, package_dir: Path = PACKAGE_DIR) -> Path:
-    return package_dir / (module.rsplit(".", 1)[1] + ".py")
+    return package_dir / (_within(module) + ".py")
 
 
 def _compiled_names() -> list[str]:
-    return [m.rsplit(".", 1)[1] for m in MODULES] + [GROUP.rsplit(".", 1)[1] + "__mypyc"]
+    """The compiled files' paths inside the package, without suffix: each beside its source."""
+    return [_within(m) for m in MODULES] + [_within(GROUP) + "__mypyc"]
 
 
 def extension_paths(package_dir: Path = PACKAGE_DIR) -> list[Path]:
@@ -55,7 +61,7 @@ def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
 
 def staleness(package_dir: Path = PACKAGE_DIR) -> str | None:
     """Why a compiled build present in ``package_dir`` must not run ("" when it may; None: no build)."""
-    present = {p.name.split(".", 1)[0] for p in extension_paths(package_dir)}
+    present = {p.relative_to(package_dir).as_posix().split(".", 1)[0] for p in extension_paths(package_dir)}
     if not present:
         return None
     missing = [name for name in _compiled_names() if name not in present]
@@ -69,7 +75,7 @@ def staleness(package_dir: Path = PACKAGE_DIR) -> str | None:
         return f"its stamp sim/{STAMP.name} is missing or unreadable"
     changed = [m for m, digest in source_digests(package_dir).items() if built.get(m) != digest]
     if changed:
-        return ", ".join(f"sim/{source_path(m).name}" for m in changed) + " changed since it was built"
+        return ", ".join(f"sim/{_within(m)}.py" for m in changed) + " changed since it was built"
     return ""
 
 
