@@ -103,13 +103,6 @@ def efficiencies_from_vector(x: Sequence[float], hardware: str, provenance: dict
         provenance=provenance or {}))
 
 
-def vector_from_efficiencies(eff: HardwareEfficiencies) -> np.ndarray:
-    return np.array([eff.prefill_fixed_per_layer_s, 1 / eff.gemm_mfu, 1 / eff.attention_mfu, eff.transfer_setup_s,
-                     eff.transfer_per_descriptor_s, 1 / eff.efa_efficiency, eff.reuse_overhead_per_token_s,
-                     eff.ttft_overhead_fixed_s, eff.ttft_overhead_per_prompt_token_s,
-                     eff.ttft_overhead_per_reused_byte_s])
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """A measured model as the fit sees it."""

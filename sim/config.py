@@ -261,7 +261,3 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> SimCo
     if overrides:
         _apply(config, overrides, "flags")
     return config.validate()
-
-
-def config_to_dict(config: SimConfig) -> dict:
-    return dataclasses.asdict(config)

@@ -313,14 +313,14 @@ class DecodeNode:
             needed, event, turn = self._waiting_blocks[0]
             if turn is None:  # a preempted sequence: room for what it holds plus a token
                 if not self._make_room(needed, self.env._now):
-                    self._blocked(needed)
+                    self._blocked()
                     return
                 self.arriving_blocks += needed  # reserved for the waiter before anyone else can take them
             else:
                 seq, lineage, p_name, arrived_at = turn
                 hit_tokens = self._reserve(seq, lineage)
                 if hit_tokens is None:
-                    self._blocked(needed)
+                    self._blocked()
                     return
                 event.callbacks.append(functools.partial(self._admit_waiter, seq, p_name, hit_tokens, arrived_at))
             self._waiting_blocks.popleft()
@@ -330,8 +330,8 @@ class DecodeNode:
     def _admit_waiter(self, seq: _Seq, p_name: str, hit_tokens: int, arrived_at: float, _event: object) -> None:
         self._admitted(seq, p_name, hit_tokens, arrived_at)
 
-    def _blocked(self, needed: int) -> None:
-        """The turn at the head of the queue cannot get ``needed`` blocks (pinned or give_back): give
+    def _blocked(self) -> None:
+        """The turn at the head of the queue cannot get its blocks (pinned or give_back): give
         back what the policy says (give_back), and wake the queue at the next retained expiry, where
         vLLM's reap would free blocks (nothing else frees retained blocks on a waiting D)."""
         now = self.env._now
@@ -404,10 +404,9 @@ class DecodeNode:
         meta = self._retained_meta.get(key)
         return meta[0] if meta else 0
 
-    def begin_read(self, key: Any, revision: int, now: float) -> str:
-        """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined.
-
-        ``revision`` no longer matters: P verified the token ids of the prefix it reads."""
+    def begin_read(self, key: Any, now: float) -> str:
+        """Pin ``key``'s retained blocks for a P read; returns '' or why the read is declined (P verified
+        the token ids of the prefix it reads: the history's revision does not matter here)."""
         if now >= self._expiry_bound:
             self._advance_retention(now)
         elif now > self._retained_clock:  # what _advance_retention(now) does then, inline (once per turn)
@@ -430,18 +429,13 @@ class DecodeNode:
         self.reading_blocks += blocks
         return ""
 
-    def end_read(self, key: Any, now: float) -> None:
+    def end_read(self, key: Any) -> None:
         """P notified D that its read finished: the blocks are unpinned (still hash-cached)."""
         held = self._reading.pop(key)  # (tokens, revision, blocks, turn), as a cache entry holds them
         blocks = held[2]
         self.reading_blocks -= blocks
         self._fate[key] = "read"
-        if self.prefix_caching:  # self._to_cache(key, *held), inline, the entry itself cached
-            old = self._cache.pop(key, None)
-            if old is not None:
-                self.cached_blocks -= old[2]
-            self._cache[key] = held
-            self.cached_blocks += blocks
+        self._to_cache(key, *held)
         if self._waiting_blocks:
             self._released()
 
@@ -526,7 +520,7 @@ class DecodeNode:
         self._count_wait(needed)
         self._waiting_blocks.append((needed, ready, (seq, lineage, p_name, now)))
         if not self.drops_on_demand:
-            self._blocked(needed)
+            self._blocked()
 
     def _local_hit(self, seq: _Seq, lineage: "Lineage | None") -> tuple[int, int, str, int]:
         """(hit tokens, blocks they keep, where they are: 'retained', 'cache' or '', blocks the entry holds):
@@ -706,7 +700,7 @@ class DecodeNode:
         """Start the next segment, or wait idle for a sequence to join (its wake calls this again)."""
         env, profile = self.env, self.profile
         running, joining = self.running, self._joining
-        done_at, by_phase, bs = self._done_at, self._by_phase, self._bs
+        done_at = self._done_at
         # everything that changes the running sequences or their blocks (joins, growth, a segment's end,
         # finishes, preemption) runs in here or just before it, before any placement can read them
         self.load_dirty.add(self)
@@ -722,24 +716,10 @@ class DecodeNode:
                 blocks = seq.blocks
                 self.arriving_blocks -= blocks
                 self.running_blocks += blocks
-                # self._enter(seq, steps), inline (once per turn): into the running figures
-                seq.order = order = self._joins
-                self._joins = order + 1
-                running[order] = seq
-                seq.join_step = steps
-                context = seq.context
-                seq.base = base = context - steps
-                remaining = seq.remaining
-                seq.done_step = done = steps + remaining
-                heapq.heappush(done_at, (done, order))
-                self._base_sum += base
-                phase = base % bs
-                by_phase[phase] += 1
-                by_phase[phase + bs] += 1
-                self._unstepped_extra += blocks + (-context // bs)
+                self._enter(seq, steps)
                 rec = seq.rec
                 rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
-                if remaining <= 0:
+                if seq.remaining <= 0:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
@@ -755,19 +735,14 @@ class DecodeNode:
             if prefilling:  # one step at a time while D computes a suffix: each step carries a chunk
                 k = 1
             batch = len(running)
-            # self._crossings(k), inline
-            e = k % bs
-            growth = k // bs * batch - self._unstepped_extra
-            if e:
-                lo = (1 - e - steps) % bs
-                growth += sum(by_phase[lo:lo + e])
+            growth = self._crossings(k) - self._unstepped_extra
             retained = self.retained
             used = self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks + self.cached_blocks
             if growth > self.capacity - used:
                 if not self._make_room(growth, now):
                     k = self._steps_that_fit(k, now)
                     if k == 0:
-                        self._preempt_newest(now)
+                        self._preempt_newest()
                         continue
                     growth = self._crossings(k) - self._unstepped_extra
                 used = (self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks
@@ -887,16 +862,8 @@ class DecodeNode:
         event's callbacks (sim.instant)."""
         k = self._end_steps
         steps = self._steps
-        if k != self._segment[2]:
-            # the blocks of the steps not taken: self._crossings(k), inline (a join cuts about one
-            # segment per turn)
-            bs = self._bs
-            e = k % bs
-            crossings = k // bs * len(self.running)
-            if e:
-                lo = (1 - e - steps) % bs
-                crossings += sum(self._by_phase[lo:lo + e])
-            self.running_blocks -= self._segment_crossings - crossings
+        if k != self._segment[2]:  # the blocks of the steps not taken go back
+            self.running_blocks -= self._segment_crossings - self._crossings(k)
         self._steps = steps = steps + k
         deferred = None
         if self._done_at[0][0] <= steps:
@@ -923,7 +890,7 @@ class DecodeNode:
                 hi = mid - 1
         return lo
 
-    def _preempt_newest(self, now: float) -> None:
+    def _preempt_newest(self) -> None:
         """The running batch cannot grow even one step: drop the newest sequence's blocks and
         re-queue it (vLLM recompute preemption; it re-pulls from P, which we count, not model further)."""
         _, seq = self.running.popitem()
@@ -980,21 +947,10 @@ class DecodeNode:
         elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
             self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
             self._retained_clock = now
-        bs, by_phase, expiry = self._bs, self._by_phase, self.retention_expiry
+        expiry = self.retention_expiry
         for seq in finished:
-            # self._leave(seq), inline (once per turn)
-            base = seq.base
-            seq.context = context = base + steps
-            seq.remaining = seq.done_step - steps
-            if steps != seq.join_step:
-                seq.blocks = blocks = -(-context // bs)
-            else:
-                blocks = seq.blocks
-                self._unstepped_extra -= blocks + (-context // bs)
-            self._base_sum -= base
-            phase = base % bs
-            by_phase[phase] -= 1
-            by_phase[phase + bs] -= 1
+            self._leave(seq)
+            context, blocks = seq.context, seq.blocks
             self.running_blocks -= blocks
             rec = seq.rec
             rec.completion_s = now

@@ -114,7 +114,7 @@ class _Turn:
         """The pull ended: release D's blocks, then pay the reuse overhead before computing the rest."""
         rec, node = self.rec, self.node
         rec.d2p_transfer_s = elapsed
-        self.d_node.end_read(self.conv_key, node.env._now)  # type: ignore[union-attr]  # set: it read from D
+        self.d_node.end_read(self.conv_key)  # type: ignore[union-attr]  # set: it read from D
         self.d_node = None
         overhead = rec.reuse_overhead_s = node.profile.reuse_overhead_s(rec.pulled_tokens)
         if overhead > 0:
@@ -202,7 +202,7 @@ class PrefillNode:
             # ``_value_``: the member's value as Enum stores it (``.value`` is a property: ~1.7k instructions)
             reason = rec.decision_reason = decision.reason._value_
             if decision.pull:
-                refusal = d_node.begin_read(conv_key, revision, self.env._now)
+                refusal = d_node.begin_read(conv_key, self.env._now)
                 if refusal:  # gone, or within the margin: vLLM's worker declines that read without a word to D
                     rec.decision, rec.miss_reason = "recompute", refusal
                 else:

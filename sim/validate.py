@@ -51,9 +51,6 @@ class TurnComparison:
     real_tpot_s: float  # BenchRecord.tpot_s: NaN when every token came in the first read
     sim_tpot_s: float
 
-    @property
-    def decision_agrees(self) -> bool:
-        return self.real_decision == self.sim_decision and self.real_pulled == self.sim_pulled
 
     def ttft_error(self) -> float:
         return (self.sim_ttft_s - self.real_ttft_s) / self.real_ttft_s

@@ -250,9 +250,6 @@ class ReturnEstimator:
         self.returns_by_tenant[entry.tenant] += 1
         return self._clock - entry.finished_at
 
-    def is_open(self, key: Hashable) -> bool:
-        return key in self._open
-
     def rates(self, table: str, key: Hashable) -> tuple[list[float], list[float]] | None:
         """(returns, exposure seconds) per bin of a group (``table`` "group") or a tenant ("tenant"), now."""
         counts = (self._counts if table == "group" else self._tenant_counts).get(key)

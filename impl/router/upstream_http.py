@@ -279,9 +279,6 @@ class UpstreamResponse:
         self._idle_timeout = idle_timeout
         self._finished = False  # released or closed
 
-    @property
-    def reused_connection(self) -> bool:
-        return self._reused
 
     # -- protocol side (called by the connection) --------------------------------------------
     def _feed(self, data: bytes) -> None:

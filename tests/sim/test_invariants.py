@@ -109,8 +109,8 @@ class Reads:
             self.renewals[(d.name, key)].append((now, renewed))
             return renewed
 
-        def watched_begin_read(key, revision, now):
-            refusal = begin_read(key, revision, now)
+        def watched_begin_read(key, now):
+            refusal = begin_read(key, now)
             self.reads.append((d.name, key, now, refusal))
             return refusal
 

@@ -48,15 +48,16 @@ class _Interconnect:
 class _Decode:
     name = "d0"
 
-    def __init__(self):
+    def __init__(self, env):
+        self.env = env
         self.reads = []
 
-    def begin_read(self, key, revision, now):
+    def begin_read(self, key, now):
         self.reads.append(("begin", now))
         return ""
 
-    def end_read(self, key, now):
-        self.reads.append(("end", now))
+    def end_read(self, key):
+        self.reads.append(("end", self.env.now))
 
 
 def _node(budget=4096):
@@ -104,7 +105,7 @@ def test_a_prompt_over_the_token_budget_is_chunked_and_a_short_one_joins_its_las
 
 def test_a_pulled_turn_computes_what_it_did_not_pull_once_pull_and_overhead_are_over():
     env, node = _node()
-    d = _Decode()
+    d = _Decode(env)
     done = {}
     rec = _serve(node, 1040, done, remote=(d, 1024, 0, 1000), turn=1)
     env.run()
@@ -118,7 +119,7 @@ def test_a_turn_due_at_the_instant_a_pulled_turn_is_ready_joins_its_step():
     # the pull ends at 0.5, its overhead at 0.75; a second turn is sent at 0.75 by a timer set after the
     # overhead's: simpy runs the overhead's timer first, and the second turn still makes the same step
     env, node = _node()
-    d = _Decode()
+    d = _Decode(env)
     done = {}
     pulled = _serve(node, 1040, done, remote=(d, 1024, 0, 1000), turn=1)
     sent: list[TurnRecord] = []
