@@ -63,7 +63,8 @@ def goal_check(rows: list[dict[str, Any]], chosen: str | None) -> dict[str, Any]
 def evaluate_workload(name: str, config: Any, designs: list, args: argparse.Namespace, runs: Any) -> dict[str, Any]:
     from sim.tune import design_report
     from sim.tune.designs import Settings, tune_designs
-    from sim.tune.grid import DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
+    from sim.tune.designs import DESIGN_THRESHOLDS
+    from sim.tune.grid import DEFAULT_TTLS_S
     from sim.tune.screen import TurnTable
     from sim.workload import load_workload
     from calibration.profile import LatencyProfile
@@ -75,7 +76,7 @@ def evaluate_workload(name: str, config: Any, designs: list, args: argparse.Name
     del conversations
     block_gb = profile.kv_bytes_per_token * profile.block_size / 1e9
     decode_hbm_gb = (config.topology.decode_kv_blocks or profile.decode_blocks()) * block_gb * config.topology.num_decode
-    settings = Settings(DEFAULT_TTLS_S, DEFAULT_THRESHOLDS, args.max_retained_hbm_pct)
+    settings = Settings(DEFAULT_TTLS_S, DESIGN_THRESHOLDS, args.max_retained_hbm_pct)
     cpu = runs.cpu_s
     tuning = tune_designs(config, designs, settings, runs.run, "ttft_p90", args.max_retained_hbm_pct, decode_hbm_gb,
                           1.0, args.max_tpot_increase_pct, bound)

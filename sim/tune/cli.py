@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from impl.policy import catalogue
+from sim.tune.designs import DESIGN_THRESHOLDS
 from sim.tune.grid import DECODE_MODES, DEFAULT_GAP_QUANTILES, DEFAULT_LEASES_S, DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
 from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, thresholds_of
 
@@ -36,8 +37,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--ttls", default=",".join(f"{t:g}" for t in DEFAULT_TTLS_S), metavar="SECONDS,...",
                    help="fixed TTLs in seconds, comma-separated, finite (vLLM takes no infinite TTL) "
                         "(default: %(default)s)")
-    g.add_argument("--thresholds", default=",".join(DEFAULT_THRESHOLDS), metavar="TOKENS,...",
-                   help="recompute thresholds in tokens or 'break_even' (default: %(default)s)")
+    g.add_argument("--thresholds", default=None, metavar="TOKENS,...",
+                   help="recompute thresholds in tokens or 'break_even' (default: "
+                        f"{','.join(DEFAULT_THRESHOLDS)}; with --designs {','.join(DESIGN_THRESHOLDS)}, vLLM's and "
+                        "bidikv's)")
     g.add_argument("--leases", default=",".join(f"{x:g}" for x in DEFAULT_LEASES_S), metavar="SECONDS,...",
                    help="heartbeat lease lengths in seconds, '' for none (default: %(default)s)")
     g.add_argument("--decode-modes", default=",".join(DECODE_MODES), metavar="MODE,...",

@@ -35,14 +35,14 @@ def run_designs(args: argparse.Namespace) -> int:
     from sim.cli import config_from_args, describe_workload, dumps, load_conversations
     from sim.tune import design_report
     from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, thresholds_of
-    from sim.tune.designs import Settings, parse_designs, tune_designs
+    from sim.tune.designs import DESIGN_THRESHOLDS, Settings, parse_designs, tune_designs
     from sim.tune.executor import Runs
     from sim.tune.screen import TurnTable
 
     check_design_args(args)
     designs = parse_designs(args.designs)
     config = config_from_args(args)
-    settings = Settings(float_list(args.ttls, "ttls"), thresholds_of(args), args.max_retained_hbm_pct)
+    settings = Settings(float_list(args.ttls, "ttls"), thresholds_of(args, DESIGN_THRESHOLDS), args.max_retained_hbm_pct)
     conversations = load_conversations(config)
     workload = describe_workload(config, conversations)
     profile, _, decode_hbm_gb, decode_kv_tokens = decode_memory(args, config)

@@ -29,6 +29,9 @@ from sim.tune.grid import LEARNT_D_TTL_S, REFERENCES, Candidate, _fmt_s, _thresh
 PINNED = {"retained_under_pressure": "pinned"}
 GIVE_BACK = {"retained_under_pressure": "give_back"}
 DEFAULT_MAX_TPOT_INCREASE_PCT = 3.0
+# the design tune's thresholds unless given: vLLM's default and bidikv's break-even (the single-design tune sweeps
+# more; here every design multiplies them)
+DESIGN_THRESHOLDS = ("64", "break_even")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from their flags, and the capacity warnings they print about the references they
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Sequence
 
-from sim.tune.grid import parse_floats
+from sim.tune.grid import DEFAULT_THRESHOLDS, parse_floats
 
 
 def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
@@ -33,8 +33,10 @@ def float_list(text: str, name: str) -> list[float]:
     return parse_floats(text, name) if text.strip() else []
 
 
-def thresholds_of(args: argparse.Namespace) -> list[str]:
-    return [t.strip() for t in args.thresholds.split(",") if t.strip()]
+def thresholds_of(args: argparse.Namespace, default: Sequence[str] = DEFAULT_THRESHOLDS) -> list[str]:
+    """--thresholds, or ``default`` when it is not given."""
+    text = args.thresholds if args.thresholds is not None else ",".join(default)
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def decode_memory(args: argparse.Namespace, config: Any) -> tuple[Any, int, float, int]:
