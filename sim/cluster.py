@@ -43,6 +43,8 @@ class SimResult:
     summary: dict
     series: list[tuple[float, str, int, int, int, int]] = field(default_factory=list)  # t, node, running, retained, cached, capacity
     config: SimConfig | None = None
+    # per decode node: (the most blocks it ever had in use, its capacity): how close it came to pressure
+    decode_peaks: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Cluster:
@@ -215,7 +217,8 @@ class Cluster:
         summary["heartbeats"] = self.heartbeats_sent  # client heartbeats relayed to D (lease retention only)
         if self.learnt is not None:
             summary["learnt_retention"] = self.learnt.summary()
-        return SimResult(self.records, summary, self.series, self.config)
+        return SimResult(self.records, summary, self.series, self.config,
+                         [(d.totals.peak_used_blocks, d.capacity) for d in self.decode])
 
     def _reject_unfinished(self, conversations: Sequence[Conversation]) -> None:
         # a turn's record is packed when the turn ends, completed or rejected: only records still held

@@ -10,6 +10,7 @@ import functools
 import json
 from typing import Any, Sequence
 
+from impl.policy.give_back import GiveBack
 from sim.cluster import without_cyclic_gc
 from sim.config import SimConfig
 from sim.records import fields_of, percentile
@@ -69,7 +70,21 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
         "queue_share_of_ttft": (queued / sum(ttfts)) if sum(ttfts) > 0 else 0.0,
         "ttft_cdf_ms": [t * 1e3 for t in ttfts[:: max(1, len(ttfts) // 200)]],
         "retained_series": _retained_series(result, cfg),
+        "give_back_idle": give_back_idle(cfg, s, result.decode_peaks),
     }
+
+
+def give_back_idle(cfg: SimConfig, summary: dict[str, Any], decode_peaks: Sequence[tuple[int, int]]) -> bool:
+    """A pinned run that giving back would not have changed, event for event: no turn waited for blocks, nothing
+    was preempted, dropped or rejected, and no D ever had fewer free blocks than give_back's headroom watermark
+    (sim/decode.py gives back only below the watermark or while a turn waits; otherwise the two modes run the
+    same events: the renewals it adds are answered at once). Its give_back twin takes its figures."""
+    pol = cfg.policy
+    if pol.retained_under_pressure != "pinned" or summary["d_waits"] or summary["preemptions"] or summary["rejected"] \
+            or summary["dropped_under_pressure"]:
+        return False
+    headroom = GiveBack(pol.give_back_publish_window_s, pol.give_back_headroom, pol.expiry_margin_s).headroom_blocks
+    return all(capacity - peak >= headroom(capacity) for peak, capacity in decode_peaks)
 
 
 @functools.lru_cache(maxsize=1)

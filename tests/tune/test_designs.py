@@ -120,3 +120,44 @@ def test_tune_designs_rejects_an_unknown_design_in_one_line():
     run = _tune("--designs", "host")
     assert run.returncode == 2 and "unknown design 'host'" in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("policy", [
+    {"retention": "ttl", "decoder_kv_blocks_ttl": 600.0},
+    {"retention": "learnt", "learnt_retention_budget_pct": 50.0, "decoder_kv_blocks_ttl": 3605.0,
+     "recompute_policy": "break_even"},
+    {"retention": "ttl", "decoder_kv_blocks_ttl": 240.0, "prefill_on_d": "isl_or_load"},
+])
+def test_give_back_runs_its_pinned_twins_simulation_exactly_when_the_pinned_run_stays_above_the_watermark(policy):
+    from sim.config import SimConfig
+    from sim.tune.evaluate import evaluate
+
+    for blocks, idle in ((0, True), (3_000, False)):  # the profile's pool, then one that runs short
+        cfg = SimConfig(workload={"kind": "synthetic", "num_conversations": 40, "arrival_rate_per_s": 0.2})
+        cfg.topology.decode_kv_blocks = blocks
+        pinned = evaluate(cfg.validate(), {**policy, "retained_under_pressure": "pinned"})
+        given = evaluate(cfg.validate(), {**policy, "retained_under_pressure": "give_back"})
+        assert pinned["give_back_idle"] is idle and given["give_back_idle"] is False
+        if idle:
+            assert {k: v for k, v in pinned.items() if k != "give_back_idle"} == \
+                   {k: v for k, v in given.items() if k != "give_back_idle"}
+        else:
+            assert pinned != given
+
+
+def test_a_give_back_point_is_simulated_only_when_its_twin_came_near_the_memory_limit():
+    from sim.tune.designs import run_with_twins
+
+    asked: list[list[dict]] = []
+
+    def run(configs, overrides):
+        asked.append(list(overrides))
+        return [{"name": o["decoder_kv_blocks_ttl"], "give_back_idle": o["decoder_kv_blocks_ttl"] < 100}
+                for o in overrides]
+
+    policies = [{"decoder_kv_blocks_ttl": t, "retained_under_pressure": m} for t in (60.0, 600.0)
+                for m in ("pinned", "give_back")]
+    out = run_with_twins(None, policies, run)
+    assert [o["name"] for o in out] == [60.0, 60.0, 600.0, 600.0]
+    assert [p["retained_under_pressure"] for p in asked[1]] == ["give_back"] and asked[1][0]["decoder_kv_blocks_ttl"] == 600.0
+    assert out[1] is out[0] and out[3] is not out[2]
