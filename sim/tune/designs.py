@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from sim.tune.evaluate import run_with_twins
 from sim.tune.frontier import OBJECTIVES, Point, analyse
 from sim.tune.grid import LEARNT_D_TTL_S, REFERENCES, Candidate, _fmt_s, _threshold_policy
 
@@ -226,33 +227,7 @@ def tune_designs(config: Any, designs: Sequence[Design], settings: Settings,
     """Simulate every design's settings and the references on ``config``'s workload (``run``: configs and
     policy overrides to figures, sim/tune/executor.py), then :func:`choose`."""
     candidates, keys = design_candidates(designs, settings)
-    metrics = run_with_twins(config, [c.policy for c in candidates], run)
+    metrics = run_with_twins([config] * len(candidates), [c.policy for c in candidates], run)
     return choose(candidates, keys, metrics, designs, objective, max_retained_hbm_pct, decode_hbm_gb, tolerance_pct,
                   max_tpot_increase_pct, compute_bound_tokens)
 
-
-def pinned_twin(policy: dict[str, Any]) -> dict[str, Any] | None:
-    """The pinned point a give_back point runs the same simulation as whenever giving back never acts
-    (sim/tune/evaluate.py ``give_back_idle``); None for any other point."""
-    if policy.get("retained_under_pressure") != "give_back":
-        return None
-    return {**policy, "retained_under_pressure": "pinned"}
-
-
-def run_with_twins(config: Any, policies: Sequence[dict[str, Any]],
-                   run: Callable[[list[Any], list[dict[str, Any]]], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Every point's figures, a give_back point taking its pinned twin's when that run shows giving back would
-    not have acted (the same simulation, event for event): the pinned points first, then the give_back points
-    whose twins came near D's memory limit."""
-    twins = [pinned_twin(p) for p in policies]
-    first = [p for p, t in zip(policies, twins) if t is None] + [t for t in twins if t is not None]
-    done = dict(zip((_key(p) for p in first), run([config] * len(first), first)))
-    rest = [p for p, t in zip(policies, twins) if t is not None and not done[_key(t)]["give_back_idle"]]
-    done.update(zip((_key(p) for p in rest), run([config] * len(rest), rest)))
-    return [done[_key(p)] if t is None or _key(p) in done else done[_key(t)] for p, t in zip(policies, twins)]
-
-
-def _key(policy: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(policy, sort_keys=True, default=repr)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from impl.policy.give_back import GiveBack
 from sim.cluster import without_cyclic_gc
@@ -104,3 +104,31 @@ def _retained_series(result: Any, cfg: SimConfig) -> list[tuple[float, float]]:
     for t, _node, _running, retained, _cached, _cap in result.series:
         totals[t] = totals.get(t, 0.0) + retained * gb_per_block
     return sorted(totals.items())
+
+
+def pinned_twin(policy: dict[str, Any]) -> dict[str, Any] | None:
+    """The pinned point a give_back point runs the same simulation as whenever giving back never acts
+    (:func:`give_back_idle`); None for any other point."""
+    if policy.get("retained_under_pressure") != "give_back":
+        return None
+    return {**policy, "retained_under_pressure": "pinned"}
+
+
+def run_with_twins(configs: Sequence[SimConfig], policies: Sequence[dict[str, Any]],
+                   run: Callable[[list[SimConfig], list[dict[str, Any]]], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every point's figures (``configs[i]`` with ``policies[i]``), a give_back point taking its pinned twin's
+    when that run shows giving back would not have acted (the same simulation, event for event): the pinned
+    points first, then the give_back points whose twins came near D's memory limit."""
+    twins = [pinned_twin(p) for p in policies]
+    first = [(c, p) for c, p, t in zip(configs, policies, twins) if t is None]
+    first += [(c, t) for c, t in zip(configs, twins) if t is not None]
+    done = dict(zip((twin_key(c, p) for c, p in first), run([c for c, _ in first], [p for _, p in first])))
+    rest = [(c, p) for c, p, t in zip(configs, policies, twins) if t is not None and not done[twin_key(c, t)]["give_back_idle"]]
+    done.update(zip((twin_key(c, p) for c, p in rest), run([c for c, _ in rest], [p for _, p in rest])))
+    return [done[twin_key(c, p)] if t is None or twin_key(c, p) in done else done[twin_key(c, t)]
+            for c, p, t in zip(configs, policies, twins)]
+
+
+def twin_key(config: SimConfig, policy: dict[str, Any]) -> str:
+    """One simulation's identity: its base config and its policy overrides."""
+    return repr(config) + json.dumps(policy, sort_keys=True, default=repr)

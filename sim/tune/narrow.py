@@ -45,6 +45,7 @@ class Narrowing:
     simulated: set[int] = field(default_factory=set)
     screened: set[int] = field(default_factory=set)
     same_as_simulated: int = 0  # of the simulated: took a twin's figures (same retention, same pulls on every turn)
+    give_back_twins: int = 0  # give_back jobs not screened that took their pinned twin's figures
     notes: list[str] = field(default_factory=list)
 
 
@@ -71,12 +72,15 @@ def screened_metrics(figures: dict[str, Any], run_length_s: tuple[float, float])
 def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: int,
            counts_for_best: Callable[[int], bool], submit: Callable[[list[int]], list[Future]],
            objective: str, budget_gb: float, tolerance_pct: float, batch: int,
-           references: dict[int, dict[str, Any]] | None = None) -> Narrowing:
+           references: dict[int, dict[str, Any]] | None = None,
+           pinned_twins: dict[int, int] | None = None) -> Narrowing:
     """``screened``: job -> screen figures; ``pending``: the jobs to simulate anyway (every job not
     screened: they start first, with the probe); ``submit`` starts simulating jobs and returns their
     futures; ``counts_for_best``: may the job's simulated objective set the best (a non-lease sweep point
     or vLLM's default); ``references``: screen figures of simulated jobs (vLLM's default), to check the
-    screen against; ``batch``: simulations kept running at once (one per worker).
+    screen against; ``batch``: simulations kept running at once (one per worker); ``pinned_twins``: give_back
+    job -> its pinned twin's job (sim/tune/evaluate.py ``pinned_twin``): a pending give_back job waits for
+    its twin and takes its figures when that run shows giving back would not have acted, else is simulated.
 
     Results are taken in the order the simulations started, and the next point is chosen after each
     one, from those taken so far: the same points are simulated whatever the executor and however
@@ -119,6 +123,12 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
 
     def take(job: int, metrics: dict[str, Any]) -> None:
         results[job] = metrics
+        for waiting in waiting_for.pop(job, ()):
+            if metrics.get("give_back_idle"):
+                results[waiting] = metrics
+                out.give_back_twins += 1
+            else:
+                start([waiting])
         if job in open_:
             open_.discard(job)
             out.simulated.add(job)
@@ -158,7 +168,13 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
     # the probe for pressure: the longest hold retains the most, so it is simulated whatever it scores
     # (unless it is a reference's twin: then that simulation is its own); it starts with the jobs
     # that are simulated anyway
-    start(list(pending))
+    waiting_for: dict[int, list[int]] = {}  # a pending pinned job -> the give_back twins waiting for it
+    pending_set = set(pending)
+    for gb, pin in sorted((pinned_twins or {}).items()):
+        if gb in pending_set and pin in pending_set:
+            waiting_for.setdefault(pin, []).append(gb)
+    deferred = {gb for waiting in waiting_for.values() for gb in waiting}
+    start([j for j in pending if j not in deferred])
     probe = min(open_, key=lambda j: (-twin[j][0], objective_lo(j))) if open_ else None
     if probe is not None and twin[probe] not in running_twins:
         start([probe])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from sim.config import RENEWAL_BEHAVIOURS, SimConfig
+from sim.tune.evaluate import pinned_twin, run_with_twins, twin_key
 from sim.tune.frontier import OBJECTIVES, Point, analyse
 from sim.tune.grid import VLLM_TTL_S, Candidate
 
@@ -109,10 +110,22 @@ def surely_simulated(config: SimConfig, candidates: Sequence[Candidate], screeni
     ``screenable``), which the screen must see first. The tuner starts these before it screens."""
     from sim.tune.screen import screenable
 
-    _, _, index = sweep_jobs(config, candidates)
+    configs, overrides, index = sweep_jobs(config, candidates)
+    twins = pinned_twin_jobs(configs, overrides)  # simulated only if their pinned twin comes near the limit
     return sorted(j for c, jobs in zip(candidates, index) for j in jobs.values()
-                  if not screening or c.kind != "sweep" or depends_on_clients(c)
-                  or not screenable(dataclasses.replace(config.policy, **c.policy)))
+                  if (not screening or c.kind != "sweep" or depends_on_clients(c)
+                      or not screenable(dataclasses.replace(config.policy, **c.policy))) and j not in twins)
+
+
+def pinned_twin_jobs(configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """give_back job -> the job of its pinned twin (sim/tune/evaluate.py ``pinned_twin``), where there is one."""
+    by_key = {twin_key(c, o): j for j, (c, o) in enumerate(zip(configs, overrides))}
+    out = {}
+    for j, (c, o) in enumerate(zip(configs, overrides)):
+        twin = pinned_twin(o)
+        if twin is not None and twin_key(c, twin) in by_key:
+            out[j] = by_key[twin_key(c, twin)]
+    return out
 
 
 def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
@@ -131,7 +144,7 @@ def tune_across_behaviours(config: SimConfig, candidates: Sequence[Candidate],
     if submit is None:
         submit = lambda cfgs, ovs: [_done(m) for m in run(cfgs, ovs)]  # noqa: E731
     if screen is None:
-        results = run(configs, overrides)
+        results = run_with_twins(configs, overrides, run)
         narrowing = None
     else:
         narrowing = _narrowed(candidates, index, configs, overrides, submit, screen, objective,
@@ -186,7 +199,7 @@ def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], conf
     pending = [j for j in range(len(configs)) if j not in screened]
     return narrow(screened, pending, len(configs), counts.__contains__,
                   lambda jobs: submit([configs[j] for j in jobs], [overrides[j] for j in jobs]),
-                  objective, budget_gb, tolerance_pct, batch, references)
+                  objective, budget_gb, tolerance_pct, batch, references, pinned_twin_jobs(configs, overrides))
 
 
 def _done(metrics: dict[str, Any]) -> Future:

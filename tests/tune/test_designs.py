@@ -146,7 +146,7 @@ def test_give_back_runs_its_pinned_twins_simulation_exactly_when_the_pinned_run_
 
 
 def test_a_give_back_point_is_simulated_only_when_its_twin_came_near_the_memory_limit():
-    from sim.tune.designs import run_with_twins
+    from sim.tune.evaluate import run_with_twins
 
     asked: list[list[dict]] = []
 
@@ -157,7 +157,7 @@ def test_a_give_back_point_is_simulated_only_when_its_twin_came_near_the_memory_
 
     policies = [{"decoder_kv_blocks_ttl": t, "retained_under_pressure": m} for t in (60.0, 600.0)
                 for m in ("pinned", "give_back")]
-    out = run_with_twins(None, policies, run)
+    out = run_with_twins([None] * len(policies), policies, run)
     assert [o["name"] for o in out] == [60.0, 60.0, 600.0, 600.0]
     assert [p["retained_under_pressure"] for p in asked[1]] == ["give_back"] and asked[1][0]["decoder_kv_blocks_ttl"] == 600.0
     assert out[1] is out[0] and out[3] is not out[2]
