@@ -103,9 +103,13 @@ def test_what_starts_before_screening_is_what_the_screen_cannot_spare():
     candidates = [*build_grid((0.0, 60.0), ("64",), (30.0,), (0.9,)), *REFERENCES]
     configs, overrides, _ = sweep_jobs(cfg, candidates)
     sure = surely_simulated(cfg, candidates, screening=True)
-    # the two fixed TTLs (pinned and giving back) wait for the screen; the lease (once per client behaviour),
-    # the learnt TTL and the references start at once
-    assert [(overrides[j].get("retention"), overrides[j].get("retained_under_pressure"))
-            for j in range(len(configs)) if j not in sure] == [("ttl", "pinned"), ("ttl", "give_back")] * 2
+    # the two fixed TTLs (pinned and giving back) wait for the screen; every other give_back point waits for its
+    # pinned twin (it takes the twin's figures when giving back never acted there); the pinned lease (once per
+    # client behaviour) and gap quantile and the references start at once
+    waiting = [(overrides[j].get("retention"), overrides[j].get("retained_under_pressure"))
+               for j in range(len(configs)) if j not in sure]
+    assert waiting == [("ttl", "pinned"), ("ttl", "give_back")] * 2 + [("lease", "give_back")] * 4 + [
+        ("gap_quantile", "give_back")]
     assert all(overrides[j] is not REFERENCES[1].policy or j in sure for j in range(len(configs)))
-    assert surely_simulated(cfg, candidates, screening=False) == list(range(len(configs)))
+    assert [overrides[j]["retained_under_pressure"] for j in range(len(configs))
+            if j not in surely_simulated(cfg, candidates, screening=False)] == ["give_back"] * 7
