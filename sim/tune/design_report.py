@@ -27,7 +27,7 @@ def figures(design: str, setting: str, p: Point, acceptable: bool | None = None,
             "d_waits_behind_retained": m["d_waits_behind_retained"], "preemptions": m["preemptions"],
             "preemptions_behind_retained": m["preemptions_behind_retained"],
             "retained_hbm_gb_s": m["retained_hbm_gb_s"], "hbm_s_vs_default": p.hbm_vs_default,
-            "dram_s": m.get("host_dram_gb_s", 0.0), "nic_bytes": m["bytes_moved"], "acceptable": acceptable,
+            "dram_s": m["host_dram_gb_s"], "nic_bytes": m["bytes_moved"], "acceptable": acceptable,
             "why_not": list(why_not)}
 
 

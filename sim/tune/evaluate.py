@@ -54,7 +54,9 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
         # (None when no turn has two output tokens: NaN would make equal runs' figures compare unequal)
         "tpot_p50_ms": percentile(tpots, 50) * 1e3 if tpots else None,
         "tpot_p90_ms": percentile(tpots, 90) * 1e3 if tpots else None,
-        "bytes_moved": s["bytes_moved"],  # over the NICs, both directions, every transfer
+        # over the NICs, both directions, every transfer: the interconnect's and the host tier's pulls
+        "bytes_moved": s["bytes_moved"] + s.get("host_tier", {}).get("bytes_moved", 0.0),
+        "host_dram_gb_s": s.get("host_tier", {}).get("dram_byte_seconds", 0.0) / 1e9,  # the host tier's KV, held
         "tokens_recomputed": s["tokens_recomputed"], "tokens_reused": s["tokens_reused"],
         # D's tokens the router offered, P verified equal to its prompt's ids, and P pulled
         "tokens_offered": s["tokens_offered"], "tokens_verified": s["tokens_verified"], "tokens_pulled": s["tokens_pulled"],
