@@ -149,7 +149,10 @@ class Setting:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"must be a number ({self.bounds(surface)}), got {value!r}")
-        if kind is int and not (math.isfinite(value) and value == int(value)):
+        # a connector key arrives as JSON, where 80.0 is a float typed for an integer (a port, a count): refused;
+        # the simulator's TOML and flags take a whole float
+        if kind is int and (not (math.isfinite(value) and value == int(value))
+                            or (surface == CONNECTOR and not isinstance(value, int))):
             raise ValueError(f"must be an integer ({self.bounds(surface)}), got {value!r}")
         if math.isnan(value) or (math.isinf(value) and surface not in self.infinite_on) or not self._in_bounds(value):
             raise ValueError(f"must be {self.bounds(surface)}, got {value!r}")
