@@ -38,6 +38,8 @@ class Hardware:
     efa_bytes_per_s_per_gpu: float
     nvlink_bytes_per_s_per_gpu: float
     accelerator: str = ""  # the file's "gpu" field: "H200", "B200", "Trainium2"
+    host_ram_bytes: float = 0.0  # the instance's host DRAM (what a host KV tier draws on); 0 = not given
+    pcie_bytes_per_s_per_gpu: float = 0.0  # one direction of the GPU's host link (offload, load); 0 = not given
 
     @property
     def is_neuron(self) -> bool:
@@ -80,7 +82,19 @@ def hardware_from_dict(data: Mapping[str, Any], source: str, key: str) -> Hardwa
                     dense_flops_per_s_per_gpu={k: float(v) for k, v in data["dense_flops_per_s_per_gpu"].items()},
                     efa_bytes_per_s_per_gpu=float(data["efa_bytes_per_s_per_gpu"]),
                     nvlink_bytes_per_s_per_gpu=float(data["nvlink_bytes_per_s_per_gpu"]),
-                    accelerator=str(data.get("gpu", "")))
+                    accelerator=str(data.get("gpu", "")),
+                    host_ram_bytes=_optional_positive(data, "host_ram_bytes", source),
+                    pcie_bytes_per_s_per_gpu=_optional_positive(data, "pcie_bytes_per_s_per_gpu", source))
+
+
+def _optional_positive(data: Mapping[str, Any], name: str, source: str) -> float:
+    """A field a preset may leave out (0.0 then: not given); given, it must be a positive number."""
+    if name not in data:
+        return 0.0
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}: field {name!r} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def preset_choices() -> str:

@@ -25,6 +25,7 @@ from sim.clients import ClientRenewal
 from sim.conversation_client import Arrivals, ConversationClient
 from sim.config import SimConfig
 from sim.decode import DecodeNode
+from sim.host_tier import HostTier, build_host_tier, host_summary
 from sim.instant import after, call_soon, process_now, run
 from sim.interconnect import Interconnect
 from sim.learnt import LearntHolds
@@ -76,6 +77,13 @@ class Cluster:
                                                  pol.expiry_margin_s)
             for d in self.decode:
                 d.step_token_budget = topo.max_num_batched_tokens
+        self.host: HostTier | None = None
+        if pol.host_tier:
+            self.host = build_host_tier(env, pol, profile)
+            self.host.add_decode(self.decode)
+            self.router.host = self.host
+            for p in self.prefill:
+                p.host = self.host
         # each conversation's turn in flight, for the oracle's look at the next one (only it reads them)
         self._conversations: dict[tuple[str, str], Conversation] = {}
         self._turn_index: dict[tuple[str, str], int] = {}
@@ -217,6 +225,8 @@ class Cluster:
         summary["heartbeats"] = self.heartbeats_sent  # client heartbeats relayed to D (lease retention only)
         if self.learnt is not None:
             summary["learnt_retention"] = self.learnt.summary()
+        if self.host is not None:
+            summary["host_tier"] = host_summary(self.host, end)
         return SimResult(self.records, summary, self.series, self.config,
                          [(d.totals.peak_used_blocks, d.capacity) for d in self.decode])
 

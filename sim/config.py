@@ -65,6 +65,12 @@ class PolicyConfig:
     give_back_headroom: float = sim_field("give_back_headroom")
     decline_frees_d: bool = sim_field("decline_frees_d")
     placement: str = sim_field("placement")
+    host_tier: bool = sim_field("host_tier")
+    cpu_bytes_to_use: float = sim_field("cpu_bytes_to_use")
+    eviction_policy: str = sim_field("eviction_policy")
+    offload_prompt_only: bool = sim_field("offload_prompt_only")
+    min_cached_token_delta: int = sim_field("min_cached_token_delta")
+    host_pull_fit: str = sim_field("host_pull_fit")
     # not a catalogue setting yet: the router's max_conversations bounds a deployment's memory (100,000), this
     # one only a simulation's (effectively unbounded)
     max_conversations: int = _f(1_000_000, "router conversation-store bound (LRU)")

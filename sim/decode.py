@@ -718,7 +718,9 @@ class DecodeNode:
                 self.running_blocks += blocks
                 self._enter(seq, steps)
                 rec = seq.rec
-                rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, rec.reused_tokens) - rec.arrival_s
+                # a host-tier pull's tokens pay no per-reused-byte overhead (fitted on HBM pulls: calibration.host_tier)
+                reused = rec.reused_tokens if rec.decision != "host_pull" else 0
+                rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, reused) - rec.arrival_s
                 if seq.remaining <= 0:
                     joined_done = True
             if joined_done:

@@ -19,12 +19,14 @@ import simpy
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
+from sim.host_tier import HostSource
 from sim.instant import after, at, nothing_due_now
 from sim.interconnect import Interconnect
 
 if TYPE_CHECKING:
     from calibration.profile import LatencyProfile
     from sim.decode import DecodeNode
+    from sim.host_tier import HostTier
     from sim.records import TurnRecord
     from sim.workload.model import Lineage
 
@@ -168,13 +170,15 @@ class PrefillNode:
         # D's block ids, queues an empty read whose notification frees them (nixl/pull_scheduler.py,
         # update_state_after_alloc); set by the cluster from PolicyConfig.decline_frees_d
         self.decline_frees_d = False
+        self.host: HostTier | None = None  # sim.host_tier's, set by the cluster when the host tier is on
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
-              remote: "tuple[DecodeNode, int, int, int] | None", lineage: "Lineage | None",
+              remote: "tuple[DecodeNode, int, int, int] | HostSource | None", lineage: "Lineage | None",
               on_done: Callable[[], None]) -> None:
         """Prefill ``rec``'s prompt, pulling the verified part of what ``remote`` = (D, tokens held, turn
-        held, that turn's prompt tokens) holds if worth it; ``on_done()`` runs from the event that ends the
+        held, that turn's prompt tokens) holds if worth it, or what D's host tier holds when ``remote`` is a
+        :class:`sim.host_tier.HostSource`; ``on_done()`` runs from the event that ends the
         prefill. ``lineage``: what the prompt shares with earlier turns (None: every turn continues the
         last faithfully)."""
         profile = self.profile
@@ -187,6 +191,9 @@ class PrefillNode:
         turn.shared_prefix_tokens, turn.on_done, turn.local_hit = shared_prefix_tokens, on_done, local_hit
         turn.d_node, turn.started_at, turn.fixed_done_s = None, -1.0, 0.0
         if remote is not None:
+            if type(remote) is HostSource:  # D's HBM no longer holds the turn; D's host tier may
+                self.host.serve(self, turn, remote, lineage)  # type: ignore[union-attr]
+                return
             d_node, remote_tokens, held_turn, held_prompt = remote
             agreeing = remote_tokens if lineage is None else lineage.held_agreement(rec.turn, held_turn)
             verified = verified_tokens_model(remote_tokens, held_prompt, agreeing, n, profile.block_size)
@@ -205,6 +212,8 @@ class PrefillNode:
                 refusal = d_node.begin_read(conv_key, self.env._now)
                 if refusal:  # gone, or within the margin: vLLM's worker declines that read without a word to D
                     rec.decision, rec.miss_reason = "recompute", refusal
+                    if self.host is not None and self._from_host(turn, conv_key, revision, lineage):
+                        return
                 else:
                     rec.decision = "pull"
                     reused = rec.pulled_tokens = decision.tokens
@@ -219,9 +228,20 @@ class PrefillNode:
                 rec.decision, rec.miss_reason = "recompute", "diverged" if diverged else reason
                 if self.decline_frees_d:
                     d_node.declined(conv_key, self.env._now)
+                # impl.policy.host_tier.choose_source: a declined HBM read leaves the host tier's own rule
+                if self.host is not None and self._from_host(turn, conv_key, revision, lineage):
+                    return
         else:
             rec.decision = "none"
         self._enqueue(turn, 0)
+
+    def _from_host(self, turn: _Turn, conv_key: Any, revision: int, lineage: "Lineage | None") -> bool:
+        """D's HBM will not serve the turn: if D offloaded it, D's host tier decides and serves it."""
+        source = self.host.source(conv_key, revision)  # type: ignore[union-attr]  # the caller checked
+        if source is None:
+            return False
+        self.host.serve(self, turn, source, lineage)  # type: ignore[union-attr]
+        return True
 
     def _enqueue(self, turn: _Turn, reused: int, last_in_callback: bool = False) -> None:
         """Queue the part of the prompt left to compute, waking the engine loop if it is idle.

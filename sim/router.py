@@ -59,6 +59,7 @@ class Router:
         # which P last prefilled each conversation (what this router sent where: its own knowledge), bounded as the store
         self.affinity = PrefillAffinity(store.max_entries)
         self.learnt: Any = None  # sim.learnt.LearntHolds under the learnt retention: it sees every arrival and finish
+        self.host: Any = None  # sim.host_tier.HostTier when the host tier is on: D's offloads, offered to P
         self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
@@ -128,6 +129,8 @@ class Router:
                 rec.recomputed_tokens = n  # until D takes its held prefix (if it rejects the turn, nothing was)
                 d_node.serve(rec, key, revision, "", lineage, on_done)
                 return
+        if remote is None and self.host is not None:  # no live HBM entry: D's host tier, if D offloaded the turn
+            remote = self.host.source(key, revision)
         p_name = self._pick_p(key, n, remote[1] if remote else 0)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
@@ -205,6 +208,8 @@ class Router:
             self.learnt.finished(key, seq.blocks, now)
         if self.on_d:
             self.on_d.finished(key, d_node.name, seq.context, expires_at, now)
+        if self.host is not None:
+            self.host.offloaded(d_node, seq, now)
         if expires_at is None:
             return
         # D's params with its checkpoints, modelled as the turn it holds and that turn's prompt (the anchor);

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from impl.policy.give_back import GiveBack
+from impl.policy.host_tier import HostPullMinimum
 from impl.policy.placement import KVAwareCost, LeastLoaded, RoundRobin
 from impl.policy.prefill_on_d import PrefillOnD
 from impl.policy.recompute import BreakEvenThreshold, FixedThreshold
@@ -282,6 +283,20 @@ SETTINGS: tuple[Setting, ...] = (
        "entry expired (or D kept nothing) the router still counts on D's prefix cache holding it", SIM, unit="s",
        minimum=0),
     # -- the connector's machinery -------------------------------------------------------------------------
+    # the host tier (impl.policy.host_tier; the simulator's model of vLLM's OffloadingConnector: sim.host_tier).
+    # vLLM's own keys (cpu_bytes_to_use, eviction_policy, offload_prompt_only) keep vLLM's names.
+    _s("host_tier", bool, False, "host tier: D offloads each finished turn's KV to host DRAM (vLLM's "
+       "OffloadingConnector) and P pulls it from there (its P2P tier) when D's HBM no longer holds the turn", SIM),
+    _s("cpu_bytes_to_use", float, 0.0, "host tier bytes per decode instance (vLLM's cpu_bytes_to_use); 0 = half the "
+       "host DRAM of the profile's instance (hardware preset)", SIM, unit="bytes", minimum=0),
+    _s("eviction_policy", str, "lru", "host tier eviction (vLLM's eviction_policy)", SIM, family="host_eviction"),
+    _s("offload_prompt_only", bool, True, "host tier: offload prompt blocks only (vLLM's default); false: D's "
+       "answers too", SIM),
+    _s("min_cached_token_delta", int, _arg(HostPullMinimum, "min_cached_token_delta"), "host tier: pull only when "
+       "it holds at least this many tokens beyond P's local hit (llm-d's minCachedTokenDelta); break_even adds the "
+       "cost test", SIM, unit="tokens", minimum=0),
+    _s("host_pull_fit", str, "gpt-oss-120b-tp1", "host tier: the published testbed whose pull costs the simulator "
+       "charges (calibration.host_tier)", SIM, family="host_pull_fit"),
     _s("nixl_progress_thread", bool, True, "NIXL agent progress thread (nixl_agent_config(enable_prog_thread=...)); "
        "it must run for a holder's blocks to be readable while its engine is idle", CONNECTOR),
     _s("nixl_progress_delay_us", int, 1000, "the progress thread's delay between rounds (NIXL's Python API "
@@ -502,7 +517,21 @@ PREFILL_ON_D = Registry("prefill_on_d", "prefill_on_d", (
                          "prefill_on_d_suffix_ratio of the prompt)"),
         ("prefill_load", "to D when P's queue is at prefill_on_d_p_busy_tokens or more"),
         ("isl_or_load", "to D when either holds"))))
-REGISTRIES: dict[str, Registry] = {r.family: r for r in (RECOMPUTE, RETENTION, UNDER_PRESSURE, PLACEMENT, PREFILL_ON_D)}
+# vLLM's CPU cache policies (vllm/v1/kv_offload/cpu/policies/factory.py); the simulator models both itself
+HOST_EVICTION = Registry("host_eviction", "eviction_policy", (
+    Policy("lru", "least recently stored or read first (vLLM's default)", None, (), frozenset({SIM})),
+    Policy("arc", "adaptive replacement: once-stored and read-again lists, the split learnt from evictions",
+           None, (), frozenset({SIM})),
+))
+# the published host-tier pull measurements calibration.host_tier fits (HOST_PULL_FITS there, same names)
+HOST_PULL_FIT = Registry("host_pull_fit", "host_pull_fit", (
+    Policy("gpt-oss-120b-tp1", "llm-d's gpt-oss-120b sweep, one-pod TP=1 instances: a warm pull's floor ~26 ms",
+           None, (), frozenset({SIM})),
+    Policy("glm-5.2-wide-ep", "llm-d's GLM-5.2-FP8 sweep, two-pod data-parallel instances: floor ~1.5 s", None, (),
+           frozenset({SIM})),
+))
+REGISTRIES: dict[str, Registry] = {r.family: r for r in (RECOMPUTE, RETENTION, UNDER_PRESSURE, PLACEMENT, PREFILL_ON_D,
+                                                         HOST_EVICTION, HOST_PULL_FIT)}
 
 
 def selector_help(name: str, surface: str) -> str:

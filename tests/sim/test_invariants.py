@@ -80,9 +80,81 @@ def configs(draw):
     return cfg.validate()
 
 
+@st.composite
+def host_configs(draw):
+    """configs() with the host tier on, small enough to evict (a turn here is up to ~1.2 GB of KV)."""
+    cfg = draw(configs())
+    p = cfg.policy
+    p.host_tier = True
+    p.cpu_bytes_to_use = draw(st.sampled_from([5e8, 1.5e9, 3e9, 1e12]))
+    p.eviction_policy = draw(st.sampled_from(["lru", "arc"]))
+    p.offload_prompt_only = draw(st.booleans())
+    p.min_cached_token_delta = draw(st.sampled_from([0, 64, 2048]))
+    p.recompute_policy = draw(st.sampled_from(["fixed", "break_even"]))
+    p.host_pull_fit = draw(st.sampled_from(["gpt-oss-120b-tp1", "glm-5.2-wide-ep"]))
+    return cfg.validate()
+
+
 def run(cfg, convs):
     cluster = Cluster(cfg, PROFILE)
     return cluster, cluster.run(convs)
+
+
+class HostWatch:
+    """Watches every D's host tier (wrapping its real methods): each entry's life (stored, replaced,
+    evicted: when), and the bytes held after every change."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.lives: dict[tuple, list[list]] = collections.defaultdict(list)  # (D, key) -> [[stored, gone, tokens]]
+        self.over: list[tuple] = []
+        host = cluster.host
+        if host is None:
+            return
+        host.reads = []
+        for cache in host.caches.values():
+            self._watch(cluster, cache)
+
+    def _watch(self, cluster: Cluster, cache) -> None:
+        insert, remove = cache.insert, cache._remove
+
+        def watched_remove(key):
+            remove(key)
+            self.lives[(cache.name, key)][-1][1] = cluster.env.now
+
+        def watched_insert(key, tokens, revision, turn, nbytes, ready_at, now):
+            stored = insert(key, tokens, revision, turn, nbytes, ready_at, now)
+            if stored:
+                self.lives[(cache.name, key)].append([now, math.inf, tokens])
+            if cache.used > cache.capacity:
+                self.over.append((cache.name, cache.used, cache.capacity))
+            return stored
+
+        cache.insert, cache._remove = watched_insert, watched_remove
+
+
+def check_host_tier(cluster: Cluster, watch: HostWatch, recs) -> int:
+    """10. no block is read after it left every tier: a host read starts while D's host tier holds the
+    span, ready, at least as long as what is read, and it stays there (pinned) until the read ends;
+    11. a host tier never holds more than its bytes. Returns the host reads checked."""
+    host = cluster.host
+    assert not watch.over
+    if host is None:
+        assert not any(r.decision == "host_pull" for r in recs)
+        return 0
+    for cache in host.caches.values():
+        assert cache.peak <= cache.capacity and cache.used <= cache.capacity
+        assert all(entry.pins == 0 for entry in cache.entries.values())  # every read ended and unpinned
+    ends = {}
+    for r in recs:
+        if r.decision == "host_pull":
+            ends[(r.tenant, r.conversation, r.arrival_s)] = r.arrival_s + r.d2p_transfer_s  # P serves on arrival
+    for node, key, start, upto, entry_tokens, ready_at in host.reads:
+        assert upto <= entry_tokens and ready_at <= start
+        lives = [life for life in watch.lives[(node, key)] if life[0] <= start]
+        assert lives and lives[-1][1] >= start and lives[-1][2] == entry_tokens, (node, key, start)
+        end = [t for (tenant, conv, arrival), t in ends.items() if (tenant, conv) == key and arrival <= start]
+        assert end and lives[-1][1] >= max(end) - 1e-9 or lives[-1][1] == math.inf, (node, key, start, lives[-1])
+    return len(host.reads)
 
 
 class Reads:
@@ -173,8 +245,19 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 @SETTINGS
 @given(cfg=configs(), convs=conversations())
 def test_invariants_hold(cfg, convs):
+    check_invariants(cfg, convs)
+
+
+@SETTINGS
+@given(cfg=host_configs(), convs=conversations())
+def test_invariants_hold_with_the_host_tier(cfg, convs):
+    check_invariants(cfg, convs)
+
+
+def check_invariants(cfg, convs) -> None:
     cluster = Cluster(cfg, PROFILE)
     reads = Reads(cluster)
+    watch = HostWatch(cluster)
     result = cluster.run(convs)
     recs = result.records
     # 1. every turn completes exactly once or is reported rejected (a conversation is tenant + id)
@@ -208,6 +291,8 @@ def test_invariants_hold(cfg, convs):
     for node, key, start, refusal in reads.reads:
         if not refusal:
             granted[key].append(start)
+    # 10, 11: the host tier (no block read after it left every tier; never over its bytes)
+    host_reads = check_host_tier(cluster, watch, recs)
     for r in recs:
         # 5. TTFT covers the prefill (compute + pull) and the P->D transfer (a rejected turn has none)
         assert r.rejected or r.ttft_s + 1e-9 >= r.prefill_s + r.p2d_transfer_s
@@ -217,6 +302,10 @@ def test_invariants_hold(cfg, convs):
         assert r.reused_tokens + r.recomputed_tokens + r.p_local_hit_tokens == r.prompt_tokens
         if r.decision == "prefill_on_d":
             check_prefill_on_d_holds_token_for_token(cfg, r, recs, conv_of[(r.tenant, r.conversation)])
+        elif r.decision == "host_pull":  # from D's host tier: of this conversation, an earlier turn, same history
+            assert cfg.policy.host_tier and r.turn > 0 and r.reused_tokens > 0
+            conv = conv_of[(r.tenant, r.conversation)]
+            assert conv.turns[r.turn].history_revision == conv.turns[r.turn - 1].history_revision
         elif r.reused_tokens:
             # 6. no D->P transfer with bidirectional OFF
             assert cfg.policy.bidirectional and r.turn > 0
@@ -227,12 +316,16 @@ def test_invariants_hold(cfg, convs):
             conv = conv_of[(r.tenant, r.conversation)]
             assert conv.turns[r.turn].history_revision == conv.turns[r.turn - 1].history_revision
             assert not by_key[(r.tenant, r.conversation, r.turn - 1)].rejected
-        else:
+        elif r.miss_reason != "host_miss":  # a host-tier probe that found nothing still took its time
             assert r.d2p_transfer_s == 0
-    # every granted read shows up as exactly one reusing turn served through P
-    assert sum(len(v) for v in granted.values()) == sum(1 for r in recs if r.reused_tokens and r.decision != "prefill_on_d")
+    # every granted read shows up as exactly one reusing turn served through P, from D's HBM or its host tier
+    assert sum(len(v) for v in granted.values()) == sum(1 for r in recs if r.reused_tokens and r.decision == "pull")
+    assert host_reads == sum(1 for r in recs if r.decision == "host_pull")
     # what the examples reached (--hypothesis-show-statistics)
     event(f"{cfg.policy.retention}: {'reads' if granted else 'no reads'}")
+    if cfg.policy.host_tier:
+        event(f"host tier: {'reads' if host_reads else 'no reads'}, {'misses' if cluster.host.misses else 'no misses'}, "
+              f"{'evictions' if cluster.host.caches and any(c.evictions for c in cluster.host.caches.values()) else 'no evictions'}")
     event(f"declined reads: {sorted({refusal for *_, refusal in reads.reads if refusal})}")
     if any(r.rejected for r in recs):
         event("rejections")
