@@ -354,7 +354,7 @@ def sim_field(name: str) -> Any:
     s = _BY_NAME[name]
     if SIM not in s.surfaces:
         raise KeyError(f"setting {name!r} is not on the simulator's surface")
-    meta: dict[str, Any] = {"help": s.help, "setting": s}
+    meta: dict[str, Any] = {"help": s.help}
     if s.family is not None:
         meta["choices"] = REGISTRIES[s.family].names(SIM)
         meta["help"] = selector_help(name, SIM)
