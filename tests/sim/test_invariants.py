@@ -347,6 +347,9 @@ def test_infinite_ttl_threshold_zero_never_recomputes_more_than_ttl_zero(cfg, co
     # history revision (docs/design/simulator.md, invariant 7), so keeping a turn can send its successor to D
     # and lose the shared prefix or the rewritten history's common part P would have reused
     cfg.policy.prefill_on_d = "off"
+    # and without P's prefix cache: keeping a turn changes where its successor is placed (kv_aware follows the
+    # pull; any placement follows the changed finish times), and on another P it loses a shared prefix's local hit
+    cfg.policy.prefix_caching = False
     keep = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, decoder_kv_blocks_ttl=math.inf, kv_recompute_threshold=0))
     drop = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, decoder_kv_blocks_ttl=0.0))
     assert run(keep, convs)[1].summary["tokens_recomputed"] <= run(drop, convs)[1].summary["tokens_recomputed"]
