@@ -294,7 +294,13 @@ SETTINGS: tuple[Setting, ...] = (
        "answers too", SIM),
     _s("min_cached_token_delta", int, _arg(HostPullMinimum, "min_cached_token_delta"), "host tier: pull only when "
        "it holds at least this many tokens beyond P's local hit (llm-d's minCachedTokenDelta); break_even adds the "
-       "cost test", SIM, unit="tokens", minimum=0),
+       "cost test", SIM, ROUTER, unit="tokens", minimum=0),
+    _s("host_tier_capacity_tokens", int, 0, "KV tokens each decode instance's host tier holds (its cpu_bytes_to_use "
+       "over the model's KV bytes per token; bidikv deploy prints it): when D no longer holds a turn in HBM, the router "
+       "asks P to pull it from D's host tier (remote_kv_source, impl.router.host_tier). 0: off", ROUTER,
+       unit="tokens", minimum=0),
+    _s("host_tier_p2p_port", int, 5710, "port of the decode instances' P2P tier (their OffloadingConnector's "
+       "secondary_tiers[0].port; vLLM's VLLM_P2P_SIDE_CHANNEL_PORT default)", ROUTER, minimum=1, maximum=65535),
     _s("host_pull_fit", str, "gpt-oss-120b-tp1", "host tier: the published testbed whose pull costs the simulator "
        "charges (calibration.host_tier)", SIM, family="host_pull_fit"),
     _s("nixl_progress_thread", bool, True, "NIXL agent progress thread (nixl_agent_config(enable_prog_thread=...)); "

@@ -49,6 +49,7 @@ from impl.router.config import RouterConfig, url_host
 from impl.router.connections import (BodyBudgetFull, BodyTimeout, ByteBudget, ClientConnections, GuardedTCPSite,
                                      raise_fd_limit)
 from impl.router.heartbeat import HEARTBEAT_ROUTE, HeartbeatRelay
+from impl.router.host_tier import HostTierRouter
 from impl.router.metrics import RouterMetrics
 from impl.router.on_d import OnDRouting
 from impl.router.notify import MAX_NOTIFY_BODY_BYTES, Delivery, NotifyError, NotifyHub, parse_notification
@@ -164,6 +165,10 @@ class Router:
                                         margin_s=c.expiry_margin_s, max_open=c.max_conversations,
                                         min_returns=c.learnt_retention_min_returns),
                 self.metrics, self.proxy.clock, c.max_conversations, c.decoder_kv_blocks_ttl)
+        if self.config.host_tier_capacity_tokens > 0:
+            c = self.config
+            self.proxy.host_tier = HostTierRouter(c.host_tier_capacity_tokens, c.host_tier_p2p_port,
+                                                  c.min_cached_token_delta, c.max_conversations, self.metrics)
         self.prober = HealthProber((self.prefill, self.decode), self.session, self.config.health_interval_s,
                                    self.config.health_timeout_s, self.config.health_failures_to_down)
         self.prober.start()

@@ -96,6 +96,10 @@ class RouterConfig:
     learnt_retention_min_returns: int = _d("learnt_retention_min_returns")
     learnt_retention_fallback_s: float = _d("learnt_retention_fallback_s")
     expiry_margin_s: float = _d("expiry_margin_s")
+    # D's host tier (vLLM's OffloadingConnector; impl.router.host_tier): off at capacity 0
+    host_tier_capacity_tokens: int = _d("host_tier_capacity_tokens")
+    host_tier_p2p_port: int = _d("host_tier_p2p_port")
+    min_cached_token_delta: int = _d("min_cached_token_delta")
     heartbeat_timeout_s: float = 3.0  # a relayed heartbeat's whole round trip to D (D answers within ~2 s or 503)
     heartbeat_retry_s: float = 10.0  # a listener that timed out or refused is not asked again this long
     rewrite_remote_host: bool = True  # replace remote_host by the instance's HTTP host, as vLLM's proxy does

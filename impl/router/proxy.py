@@ -43,6 +43,7 @@ from impl.policy.prefill_on_d import PathDecision, PathReason, TurnPath
 from impl.policy.prefix_check import REPORT_KEY
 from impl.policy.return_time import RETENTION_KEY
 from impl.router.capture import TurnCapture
+from impl.router.host_tier import REMOTE_KV_SOURCE, HostOffer, HostTierRouter
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
 from impl.router.on_d import ON_D_PARAMS, OnDRouting
@@ -159,6 +160,7 @@ class PrefillResult:
     cached_tokens: int | None = None  # P's usage.prompt_tokens_details.cached_tokens (local + pulled), if reported
     prompt_tokens: int | None = None  # P's usage.prompt_tokens
     reuse_report: dict[str, Any] | None = None  # what P offered / verified / pulled (our connector on P)
+    host_local_tokens: int | None = None  # P was asked to pull D's host tier: its own estimated hit then
 
 
 class TurnProxy:
@@ -188,6 +190,7 @@ class TurnProxy:
         self.tracer: TurnTracer | None = None  # --trace-out (set by the app)
         self.retention: RouterRetention | None = None  # --learnt-retention-budget-tokens (set by the app)
         self.on_d: OnDRouting | None = None  # --prefill-on-d (set by the app)
+        self.host_tier: HostTierRouter | None = None  # --host-tier-capacity-tokens (set by the app)
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
@@ -213,9 +216,11 @@ class TurnProxy:
         shared = _SharedBody(turn.body)
         offered_tokens = offered.num_tokens if offered is not None else 0
 
+        # D no longer holds the turn in HBM: its host tier may (impl.router.host_tier)
+        host = self.host_tier.offer(key) if self.host_tier is not None and offered is None and on_d is None else None
         try:
             prefill = (PrefillResult(on_d, dict(ON_D_PARAMS)) if on_d is not None
-                       else await self._prefill(turn, shared, offered, headers, key))
+                       else await self._prefill(turn, shared, offered, headers, key, host))
         except (UpstreamFailure, _PassThrough) as e:
             failed = e.response() if isinstance(e, UpstreamFailure) else e.response
             if self.tracer is not None:
@@ -230,6 +235,8 @@ class TurnProxy:
         served = _served_path(path, on_d, offered, prefill.reuse_report)
         info["X-Bidikv-Path"], info["X-Bidikv-Path-Reason"] = served.value, path.reason.value
         self.metrics.turn_paths.inc(served.value, path.reason.value)
+        if self.host_tier is not None:
+            self.host_tier.account(info, offered is not None, prefill.host_local_tokens, prefill.cached_tokens)
         response: web.StreamResponse | None = None
         capture = upstream = None
         fell_back = False
@@ -254,6 +261,10 @@ class TurnProxy:
                 self.hub.close(request_id)
             if fell_back:
                 return None  # the P path serves the turn and traces and logs it  # noqa: B012
+            if self.host_tier is not None and capture is not None and upstream is not None and capture.complete:
+                prompt = prefill.prompt_tokens if prefill.prompt_tokens is not None else turn.estimated_tokens
+                # D's host tier took the turn in (the last sampled token has no KV yet)
+                self.host_tier.turn_finished(key, t.stored_key, upstream, prompt + (capture.output_tokens or 0) - 1)
             self._log_turn(t, response, capture, upstream, info, key, offered_tokens, miss, served)
 
     def _decode_payload(self, t: _Turn, shared: _SharedBody, key: tuple[str, str] | None) -> bytes:
@@ -338,7 +349,8 @@ class TurnProxy:
                                miss=miss, prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
                                report=prefill.reuse_report, capture=capture, prefill=t.p_name,
                                decode=upstream.name if upstream is not None else None,
-                               finished_after_s=self.clock() - t.t0, path=served.value)
+                               finished_after_s=self.clock() - t.t0, path=served.value,
+                               tier=info.get("X-Bidikv-Reuse-Tier"))
         # "next": the key the turn is stored under if D's params arrive (turns_stored says whether they did)
         # "miss": why nothing was offered (the reuse_misses label; "-" on a hit)
         turn_log.info("turn %s match=%s key=%s offered=%d miss=%s P=%s path=%s next=%s", t.request_id,
@@ -430,8 +442,8 @@ class TurnProxy:
 
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
-                       headers: dict[str, str], key: tuple[str, str] | None) -> PrefillResult:
-        return await self._retrying(_PrefillLeg(self, turn, shared, offered, headers, key))
+                       headers: dict[str, str], key: tuple[str, str] | None, host: HostOffer | None = None) -> PrefillResult:
+        return await self._retrying(_PrefillLeg(self, turn, shared, offered, headers, key, host))
 
     def _account_reuse(self, prefill: PrefillResult, info: dict[str, str], key: tuple[str, str] | None) -> None:
         """P's report of an offered turn: counted, logged when P refused part of it, and in the headers."""
@@ -698,12 +710,13 @@ class _Leg:
 class _PrefillLeg(_Leg):
     """P's request: ``max_tokens=1`` with D's params when reuse is offered; a P's server error after an
     offer is retried on the same P without it (a failed pull under ``kv_load_failure_policy: "fail"``
-    must not fail the turn)."""
+    must not fail the turn). Without an offer, D's host tier may be named (``remote_kv_source``), and a
+    server error with it is retried on the same P without it too."""
 
-    __slots__ = ("shared", "offered", "key", "body", "reuse", "params", "cached")
+    __slots__ = ("shared", "offered", "key", "body", "reuse", "params", "cached", "host", "host_local")
 
     def __init__(self, proxy: TurnProxy, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
-                 headers: dict[str, str], key: tuple[str, str] | None) -> None:
+                 headers: dict[str, str], key: tuple[str, str] | None, host: HostOffer | None = None) -> None:
         super().__init__(proxy, "prefill", proxy.prefill, turn, headers)
         self.shared = shared
         self.offered = offered
@@ -715,6 +728,8 @@ class _PrefillLeg(_Leg):
         self.reuse = offered is not None
         self.params: dict[str, Any] = {}
         self.cached = proxy.affinity.cached_tokens(key) if key is not None else {}
+        self.host = host
+        self.host_local: int | None = None  # P's own estimated hit, when asked to pull D's host tier
 
     def pick(self) -> Upstream | None:
         if self.reuse:
@@ -724,8 +739,18 @@ class _PrefillLeg(_Leg):
         else:
             params = dict(FRESH_TURN_PARAMS)
         self.params = self.body["kv_transfer_params"] = params
-        return self.pool.pick(self.turn.estimated_tokens, self.tried,
-                              self.offered.num_tokens if self.reuse else 0, self.cached)  # type: ignore[union-attr]
+        upstream = self.pool.pick(self.turn.estimated_tokens, self.tried,
+                                  self.offered.num_tokens if self.reuse else 0, self.cached)  # type: ignore[union-attr]
+        self.host_local = None
+        if upstream is not None and self.host is not None and not self.reuse:
+            # this attempt's id: the P2P tier refuses a second fetch under one kv_request_id on a session
+            source = self.proxy.host_tier.ask(self.host, f"{self.headers['X-Request-Id']}-{len(self.tried) + 1}")
+            if source is None:
+                self.host = None
+            else:
+                params[REMOTE_KV_SOURCE] = source
+                self.host_local = self.cached.get(upstream.name, 0)
+        return upstream
 
     async def send(self, upstream: Upstream) -> tuple[int, bytes]:
         tokens = self.turn.estimated_tokens
@@ -765,7 +790,8 @@ class _PrefillLeg(_Leg):
         if self.key is not None:
             self.proxy.affinity.served(self.key, upstream.name, self.turn.estimated_tokens)
         return PrefillResult(upstream, kv, cached_tokens=_cached_tokens(obj),
-                             reuse_report=report if self.reuse else None, prompt_tokens=_prompt_tokens(obj))
+                             reuse_report=report if self.reuse else None, prompt_tokens=_prompt_tokens(obj),
+                             host_local_tokens=self.host_local)
 
     def sent_params(self) -> dict[str, Any]:
         return self.params
@@ -776,6 +802,10 @@ class _PrefillLeg(_Leg):
             self.reuse = False
             self.tried.discard(upstream.name)
             self.proxy.metrics.reuse_misses.inc("prefill_error")
+        elif self.host_local is not None:  # the same for a host-tier pull: same instance, without it
+            self.host = None
+            self.tried.discard(upstream.name)
+            self.proxy.host_tier.prefill_failed()
 
 
 class _DecodeLeg(_Leg):

@@ -200,7 +200,8 @@ class TurnTracer:
     def record(self, *, turn: "TurnRequest", tenant: str, request_id: str, arrival: float, status: int,
                stored: str | None, offered: int, miss: str | None, prompt_tokens: int | None,
                cached_tokens: int | None, report: dict[str, Any] | None, capture: "TurnCapture | None",
-               prefill: str | None, decode: str | None, finished_after_s: float | None, path: str | None = None) -> None:
+               prefill: str | None, decode: str | None, finished_after_s: float | None, path: str | None = None,
+               tier: str | None = None) -> None:
         named = turn.conversation_id if turn.match in ("id", "prompt_cache_key") else None
         parent = turn.store_id if turn.match == "history" else None
         conversation, index = self.lineage.place(tenant, named, parent, stored, turn.answers_in_history(), request_id)
@@ -221,7 +222,8 @@ class TurnTracer:
             ttft_s=None if ttft is None else round(ttft, 6), tpot_s=tpot,
             finish_s=None if finished_after_s is None else round(finished_after_s, 6),
             prefill=self.names.get(prefill, prefill) if prefill else None,
-            decode=self.names.get(decode, decode) if decode else None, path=path))
+            decode=self.names.get(decode, decode) if decode else None, path=path,
+            tier=tier))
 
 
 def _count(value: Any) -> int | None:

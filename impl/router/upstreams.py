@@ -37,6 +37,7 @@ class Upstream:
     failed_probes: int = 0  # consecutive
     in_flight: int = 0
     in_flight_tokens: int = 0
+    downs: int = 0  # times it left rotation: it may have restarted since (its host tier then empty)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.base_url).hostname or "localhost"
@@ -93,6 +94,7 @@ class UpstreamPool:
     def mark_down(self, upstream: Upstream, why: str) -> None:
         if upstream.healthy:
             log.warning("%s %s marked down: %s", self.role, upstream.name, why)
+            upstream.downs += 1
         upstream.healthy = False
 
 
@@ -129,6 +131,7 @@ class HealthProber:
             if u.healthy and u.failed_probes >= self.failures_to_down:
                 log.warning("%s %s failed %d health probes in a row", pool.role, u.name, u.failed_probes)
                 u.healthy = False
+                u.downs += 1
 
     async def _run(self) -> None:
         while True:

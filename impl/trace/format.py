@@ -75,6 +75,7 @@ class TraceTurn:
     decode: str | None = None
     # pull_to_p | prefill_on_d | recompute_on_p (impl.policy.prefill_on_d.TurnPath); null: a router before it
     path: str | None = None
+    tier: str | None = None  # with a host tier: hbm | host | host_miss | none (impl.router.host_tier)
 
     def line(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
