@@ -77,6 +77,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from impl.connector.two_tier import check_kv_transfer_config
     from impl.deploy.render import kv_transfer_config, router_ttl_s
 
     c = _load(args)
@@ -98,8 +99,14 @@ def _check(args: argparse.Namespace) -> int:
     print(f"  router   {c.router.url}  (D notifies {c.router.url}/internal/kv_params; entries live <= "
           f"{router_ttl_s(c):g} s)")
     print(f"  NIXL backends {list(c.transfer.backends)}, env " + " ".join(f"{k}={v}" for k, v in c.transfer.env))
-    print("  kv_connector_extra_config (ON): "
-          + json.dumps(kv_transfer_config(c, "decode", "on")["kv_connector_extra_config"], sort_keys=True))
+    decode = check_kv_transfer_config(kv_transfer_config(c, "decode", "on"))  # bidikv's part, alone or composed
+    print("  kv_connector_extra_config (ON): " + json.dumps(decode.nixl["kv_connector_extra_config"], sort_keys=True))
+    if c.host_tier is not None:
+        t = c.host_tier
+        print(f"  host tier (vLLM's OffloadingConnector + P2P tier): D {t.decode_cpu_bytes_to_use / 2**30:,.0f} GiB, "
+              f"P2P {c.decode.host}:{t.decode_p2p_port}; P {t.prefill_cpu_bytes_to_use / 2**30:,.0f} GiB, P2P "
+              f"{c.prefill.host}:{t.prefill_p2p_port}; {t.eviction_policy}; the router counts D's tier as "
+              f"{t.capacity_tokens:,} tokens of {c.base_profile} and asks for pulls of >= {t.min_cached_token_delta:,}")
     print(f"  results in {c.results_path('')}")
     return 0
 

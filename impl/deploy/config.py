@@ -18,6 +18,7 @@ Why some rules exist:
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import re
@@ -35,7 +36,7 @@ from impl.router.config import url_host
 
 WORKLOADS = ("synthetic", "agentic", "mooncake")
 KV_BUFFER_DEVICES = ("cuda", "cpu")
-SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "router", "bench", "calibrate",
+SECTIONS = ("deploy", "model", "prefill", "decode", "transfer", "connector", "host_tier", "router", "bench", "calibrate",
             "kubernetes")
 
 DEFAULT_INSTANCE = PRESETS["p5en"]  # P's and D's instance type: the published setup, two p5en.48xlarge
@@ -64,14 +65,17 @@ CONNECTOR_KEYS_OWNED = {
     "backends": "set it in [transfer] backends",
 }
 # Environment the renderer computes per server; the [transfer.env] table must not override it.
-ENV_OWNED = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+ENV_OWNED = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+             "PYTHONHASHSEED")
 # vLLM flags the renderer writes; the same flag in extra_args would silently win or clash.
 VLLM_FLAGS_OWNED = ("--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size",
                     "--max-model-len", "--kv-transfer-config", "--enable-prefix-caching",
                     "--no-enable-prefix-caching")
 _notify = catalogue.setting("notify").flag()
 ROUTER_FLAGS_OWNED = ("--prefill", "--decode", "--host", "--port", _notify, "--no-" + _notify[2:], "--notify-url",
-                      catalogue.setting("decoder_kv_blocks_ttl").flag(), "--config")
+                      catalogue.setting("decoder_kv_blocks_ttl").flag(), "--config",
+                      *(catalogue.setting(name).flag() for name in ("host_tier_capacity_tokens", "host_tier_p2p_port",
+                                                                     "min_cached_token_delta")))
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SSH_TARGET = re.compile(r"^[A-Za-z0-9_.@:\[\]%-]+$")
@@ -146,6 +150,20 @@ class Bench:
 
 
 @dataclass(frozen=True)
+class HostTier:
+    """[host_tier]: vLLM's own host tier on P and D (impl/connector/two_tier.py), their P2P ports, and what
+    the router needs to send P there (impl/router/host_tier.py)."""
+
+    decode_cpu_bytes_to_use: int  # D's host DRAM for KV: what P pulls from
+    prefill_cpu_bytes_to_use: int  # P's: where pulled blocks land before P's GPU
+    eviction_policy: str
+    decode_p2p_port: int
+    prefill_p2p_port: int
+    min_cached_token_delta: int
+    capacity_tokens: int  # D's tier in KV tokens of [calibrate] base_profile (the router's estimate)
+
+
+@dataclass(frozen=True)
 class DeployConfig:
     source: str
     workdir: str  # the bidikv checkout, same path on every host
@@ -161,6 +179,7 @@ class DeployConfig:
     base_profile: str
     instance: Hardware  # P's and D's instance type (calibration/data/hardware_<preset>.json)
     kubernetes: KubernetesSettings | None = None  # [kubernetes] (bidikv deploy manifests); None without the table
+    host_tier: HostTier | None = None  # [host_tier]; None without the table: HBM retention alone
 
     @property
     def nodes_per_server(self) -> int:
@@ -360,6 +379,31 @@ def _connector_extra(source: str, data: Any, backends: tuple[str, ...]) -> tuple
     return extra, settings
 
 
+def _host_tier(source: str, data: Any, base_profile: str) -> HostTier:
+    from calibration.profile import LatencyProfile
+    from impl.connector.two_tier import EVICTION_POLICIES
+
+    t = _Table(source, "host_tier", data)
+    decode_bytes = t.integer("decode_cpu_bytes_to_use", minimum=1)
+    tier = HostTier(
+        decode_cpu_bytes_to_use=decode_bytes,
+        prefill_cpu_bytes_to_use=t.integer("prefill_cpu_bytes_to_use", minimum=1),
+        eviction_policy=t.text("eviction_policy", "lru"),
+        decode_p2p_port=t.port("decode_p2p_port", 5710),
+        prefill_p2p_port=t.port("prefill_p2p_port", 5711),
+        min_cached_token_delta=t.integer("min_cached_token_delta", catalogue.setting("min_cached_token_delta").default,
+                                         minimum=0),
+        capacity_tokens=0)
+    if tier.eviction_policy not in EVICTION_POLICIES:
+        raise t.fail("eviction_policy", f"must be one of {', '.join(EVICTION_POLICIES)}, got {tier.eviction_policy!r}")
+    t.done()
+    try:  # the router counts the tier in tokens: the model's KV bytes per token, from the profile
+        per_token = LatencyProfile.load(base_profile).kv_bytes_per_token
+    except ValueError as e:
+        raise DeployConfigError(source, "calibrate.base_profile", str(e)) from None
+    return dataclasses.replace(tier, capacity_tokens=max(1, int(decode_bytes // per_token)))
+
+
 def _bench(source: str, data: Any) -> Bench:
     t = _Table(source, "bench", data)
     bench = Bench(
@@ -413,6 +457,9 @@ def _check_addresses(source: str, config: DeployConfig) -> None:
                  (r.host, r.port, "router.port")]
     if config.connector_settings.heartbeat_port:  # D's lease-heartbeat listener (P never opens it)
         listening.append((d.host, config.connector_settings.heartbeat_port, f"connector.{_key('heartbeat_port')}"))
+    if config.host_tier is not None:  # the P2P tiers' ZMQ control sockets
+        listening += [(p.host, config.host_tier.prefill_p2p_port, "host_tier.prefill_p2p_port"),
+                      (d.host, config.host_tier.decode_p2p_port, "host_tier.decode_p2p_port")]
     seen: dict[tuple[str, int], str] = {}
     for host, port, field in listening:
         if (host, port) in seen:
@@ -475,13 +522,14 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> DeployCon
     base_profile = cal.text("base_profile", "qwen3-32b@p5en-tp8")
     cal.done()
 
+    host_tier = _host_tier(source, data["host_tier"], base_profile) if "host_tier" in data else None
     kubernetes = None
     if "kubernetes" in data:
         kubernetes = parse_kubernetes(_Table(source, "kubernetes", data["kubernetes"]), instance.name)
     config = DeployConfig(source=source, workdir=workdir, python=python, model=model, prefill=prefill,
                           decode=decode, transfer=transfer, connector=connector, connector_settings=settings,
                           router=router, bench=bench, base_profile=base_profile, instance=instance,
-                          kubernetes=kubernetes)
+                          kubernetes=kubernetes, host_tier=host_tier)
     _check_addresses(source, config)
     _check_one_block_size(source, config)
     return config
@@ -499,5 +547,5 @@ def load_config(path: str | Path) -> DeployConfig:
     return parse_config(data, str(path))
 
 
-__all__ = ["Bench", "DeployConfig", "DeployConfigError", "Model", "Router", "Server", "Transfer", "load_config",
+__all__ = ["Bench", "DeployConfig", "DeployConfigError", "HostTier", "Model", "Router", "Server", "Transfer", "load_config",
            "parse_config"]

@@ -25,6 +25,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from impl.connector.two_tier import HostTierConfig, two_tier_kv_transfer_config
 from impl.deploy.config import DeployConfig, DeployConfigError, Server
 from impl.policy import catalogue
 
@@ -58,6 +59,13 @@ def kv_transfer_config(config: DeployConfig, role: str, mode: str) -> dict[str, 
         # top-level KVTransferConfig field (vLLM 0.32 config/kv_transfer.py), not an extra-config key:
         # a declined or failed D->P read then recomputes instead of failing the turn
         kv["kv_load_failure_policy"] = "recompute"
+    tier = config.host_tier
+    if tier is not None:  # with vLLM's host tier: the MultiConnector impl/connector/two_tier.py renders
+        server = config.prefill if role == "prefill" else config.decode
+        kv = two_tier_kv_transfer_config(kv, HostTierConfig(
+            cpu_bytes_to_use=tier.prefill_cpu_bytes_to_use if role == "prefill" else tier.decode_cpu_bytes_to_use,
+            p2p_port=tier.prefill_p2p_port if role == "prefill" else tier.decode_p2p_port, p2p_host=server.host,
+            eviction_policy=tier.eviction_policy))
     return kv
 
 
@@ -66,6 +74,10 @@ def server_env(config: DeployConfig, server: Server) -> list[tuple[str, str]]:
     env += [("VLLM_NIXL_SIDE_CHANNEL_HOST", server.host),  # vLLM's default is localhost: unreachable from the peer
             ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(server.side_channel_port)),
             ("PYTHONPATH", config.workdir)]  # kv_connector_module_path impl.connector must import
+    if config.host_tier is not None:
+        # P and D must hash blocks alike for P2P lookups to hit; vLLM seeds from PYTHONHASHSEED when set
+        # (v1/core/kv_cache_utils.py), so both get the same one (llm-d's guide does the same)
+        env.append(("PYTHONHASHSEED", "0"))
     if server.gpus:
         env.append(("CUDA_VISIBLE_DEVICES", server.gpus))
     return env
@@ -136,6 +148,11 @@ def router_args(config: DeployConfig, mode: str, prefill: list[str], decode: lis
         argv += ["--notify", "--notify-url", f"{notify_base}/internal/kv_params"]
     else:
         argv.append("--no-notify")
+    if config.host_tier is not None:  # send P to D's host tier when D no longer holds a turn in HBM
+        t = config.host_tier
+        for name, value in (("host_tier_capacity_tokens", t.capacity_tokens), ("host_tier_p2p_port", t.decode_p2p_port),
+                            ("min_cached_token_delta", t.min_cached_token_delta)):
+            argv += [catalogue.setting(name).flag(), str(value)]
     return argv + list(config.router.extra_args)
 
 
