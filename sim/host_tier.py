@@ -297,7 +297,7 @@ class HostTier:
         if not decision.pull:
             rec.decision = "recompute"
             rec.miss_reason = "diverged" if rec.verified_tokens < rec.offered_tokens else decision.reason._value_
-            node._enqueue(turn, 0)
+            node.enqueue(turn, 0)
             return
         pair = (node.name, source.d_node.name)
         now = self.env._now
@@ -335,7 +335,7 @@ class _Pull:
             tier.misses += 1
             rec.decision, rec.miss_reason = "recompute", "host_miss"
             rec.d2p_transfer_s = now - self.started
-            self.node._enqueue(turn, 0)
+            self.node.enqueue(turn, 0)
             return
         tokens = (entry.tokens if entry.tokens < self.upto else self.upto) - local
         entry.pins += 1
@@ -355,7 +355,7 @@ class _Pull:
         """The blocks are in P's HBM: unpin them on D, compute the rest of the prompt."""
         self.entry.pins -= 1  # type: ignore[union-attr]  # set when the probe hit
         self.turn.rec.d2p_transfer_s = self.tier.env._now - self.started
-        self.node._enqueue(self.turn, self.upto)
+        self.node.enqueue(self.turn, self.upto)
 
 
 def host_summary(tier: HostTier, end: float) -> dict[str, Any]:

@@ -131,11 +131,11 @@ class _Turn:
                 return
             at(env, when, self.overhead_paid)
         else:
-            node._enqueue(self, rec.pulled_tokens)
+            node.enqueue(self, rec.pulled_tokens)
 
     def overhead_paid(self, _timer: object) -> None:
         # the last thing this timer does: P may start its step here rather than from a wake-up event
-        self.node._enqueue(self, self.rec.pulled_tokens, last_in_callback=True)
+        self.node.enqueue(self, self.rec.pulled_tokens, last_in_callback=True)
 
     def finish(self, _event: object = None) -> None:
         """Its last chunk was computed: record the times, cache the prompt, hand the turn on."""
@@ -233,7 +233,7 @@ class PrefillNode:
                     return
         else:
             rec.decision = "none"
-        self._enqueue(turn, 0)
+        self.enqueue(turn, 0)
 
     def _from_host(self, turn: _Turn, conv_key: Any, revision: int, lineage: "Lineage | None") -> bool:
         """D's HBM will not serve the turn: if D offloaded it, D's host tier decides and serves it."""
@@ -243,7 +243,7 @@ class PrefillNode:
         self.host.serve(self, turn, source, lineage)  # type: ignore[union-attr]
         return True
 
-    def _enqueue(self, turn: _Turn, reused: int, last_in_callback: bool = False) -> None:
+    def enqueue(self, turn: _Turn, reused: int, last_in_callback: bool = False) -> None:
         """Queue the part of the prompt left to compute, waking the engine loop if it is idle.
 
         ``last_in_callback``: the caller is an event callback that does nothing after this call, so when
