@@ -84,13 +84,41 @@ def design_settings(row: DesignRow, profile_name: str, topology: tuple[int, int]
     """What to deploy for ``row``'s best setting (sim/tune/report.py's ``vllm_settings`` form), with the
     router's flags for the other settings it shares with the simulator (prefill on D: impl.policy.catalogue's
     ROUTER surface) added to its command and to the deploy recipe's [router] extra_args."""
+    policy = row.best.candidate.policy
     s = vllm_settings(row.best, profile_name, topology, decode_kv_tokens)
-    flags = router_flags(row.best.candidate.policy, s["router_argv"])
+    flags = router_flags(policy, s["router_argv"])
     if flags:
         s["router_argv"] = [*s["router_argv"], *flags]
         s["router_command"] = shlex.join(s["router_argv"])
         s["deploy_router_extra_args"] = [*s["deploy_router_extra_args"], *flags]
+    if policy.get("host_tier"):
+        with_host_tier(s, policy, profile_name)
     return s
+
+
+def with_host_tier(s: dict[str, Any], policy: dict[str, Any], profile_name: str) -> None:
+    """Both servers' --kv-transfer-config as the two-tier MultiConnector (impl/connector/two_tier.py renders it):
+    bidikv's (or vLLM's) NixlConnector and vLLM's OffloadingConnector with the P2P tier, ``cpu_bytes_to_use`` per
+    instance (the policy's, else half the instance's host DRAM), D storing its answers too."""
+    from calibration.host_tier import default_cpu_bytes
+    from calibration.profile import LatencyProfile
+    from impl.connector.two_tier import HostTierConfig, two_tier_kv_transfer_config
+
+    size = int(policy.get("cpu_bytes_to_use") or default_cpu_bytes(LatencyProfile.load(profile_name)))
+    eviction = policy.get("eviction_policy", "lru")
+    s["prefill_kv_transfer_config"] = two_tier_kv_transfer_config(
+        s["prefill_kv_transfer_config"], HostTierConfig(cpu_bytes_to_use=size, eviction_policy=eviction))
+    s["decode_kv_transfer_config"] = two_tier_kv_transfer_config(
+        s["decode_kv_transfer_config"], HostTierConfig(cpu_bytes_to_use=size, eviction_policy=eviction,
+                                                       offload_prompt_only=policy.get("offload_prompt_only", False)))
+    s["host_tier"] = {"cpu_bytes_to_use": size, "eviction_policy": eviction,
+                      "min_cached_token_delta": policy.get("min_cached_token_delta")}
+    s["caveat"] = ("P reads D's host tier only for a request that names it (kv_transfer_params.remote_kv_source = "
+                   "{kv_request_id, remote_host, remote_port}: vLLM's P2P tier, v1/kv_offload/tiering/p2p/manager.py); "
+                   "the router must stamp it for a turn D's HBM no longer holds. Set VLLM_P2P_SIDE_CHANNEL_HOST to each "
+                   "instance's routable address; every instance needs the same --block-size and PYTHONHASHSEED "
+                   "(block hashes must agree). The deploy recipe's keys above are the HBM part only: run P and D with "
+                   "the two configs above")
 
 
 def router_flags(policy: dict[str, Any], argv: Sequence[str] = ()) -> list[str]:

@@ -43,6 +43,9 @@ class Settings:
     ttls_s: Sequence[float]
     thresholds: Sequence[str]
     learnt_retention_budget_pct: float
+    # the host tier's bytes per instance (vLLM's cpu_bytes_to_use); 0: half the instance's host DRAM
+    # (calibration.host_tier.default_cpu_bytes, from the profile's hardware preset)
+    cpu_bytes_to_use: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,28 @@ def _prefill_on_d(modes: dict[str, Any]) -> Callable[[Settings], list[dict[str, 
 PREFILL_ON_D_RULES = ("isl_bounding", "isl_or_load")
 
 
+def _host(s: Settings, eviction_policy: str = "lru") -> dict[str, Any]:
+    """D's host tier as it serves multi-turn reuse: D's answers stored too (vLLM's default stores prompts only,
+    so P would find the history without the last answer)."""
+    return {"host_tier": True, "cpu_bytes_to_use": float(s.cpu_bytes_to_use), "eviction_policy": eviction_policy,
+            "offload_prompt_only": False}
+
+
+def _host_only(s: Settings) -> list[dict[str, Any]]:
+    """llm-d's deployment: D keeps nothing in HBM (a TTL of 0: one-way NIXL transfer), P pulls from D's host tier."""
+    return [{"retention": "ttl", "decoder_kv_blocks_ttl": 0.0, **_threshold_policy(threshold), **_host(s, eviction)}
+            for threshold in s.thresholds for eviction in HOST_EVICTION_POLICIES]
+
+
+def _hbm_and_host(s: Settings) -> list[dict[str, Any]]:
+    """Each give_back TTL of the sweep and the learnt hold in D's HBM, and D's host tier behind them."""
+    return [{**policy, **_host(s)} for policy in [*_ttls(GIVE_BACK)(s), *(p for p in _learnt(s)
+                                                                         if p["retained_under_pressure"] == "give_back")]]
+
+
+HOST_EVICTION_POLICIES = ("lru", "arc")  # vLLM's CPU cache policies (kv_offload/cpu/policies/)
+
+
 def _learnt(s: Settings) -> list[dict[str, Any]]:
     return [{"retention": "learnt", "learnt_retention_budget_pct": s.learnt_retention_budget_pct, "decoder_kv_blocks_ttl": LEARNT_D_TTL_S,
              **_threshold_policy(threshold), **mode} for threshold in s.thresholds for mode in (PINNED, GIVE_BACK)]
@@ -91,6 +116,10 @@ DESIGNS: tuple[Design, ...] = (
            "pressure at their last published expiry", _ttls(GIVE_BACK)),
     Design("learnt", "learnt", "bidikv's router asks D to hold each turn as long as its estimated return is worth, "
            "within the HBM budget (pinned or giving back)", _learnt),
+    Design("host_tier", "host tier", "llm-d's P/D deployment: D keeps nothing in HBM, offloads each finished turn to its "
+           "host DRAM (vLLM's OffloadingConnector) and P pulls it host-to-host over the P2P tier", _host_only),
+    Design("hbm_and_host_tier", "HBM retention and host tier", "give_back retention in D's HBM (a tuned TTL or the "
+           "learnt hold), and a turn D's HBM no longer holds pulled from D's host tier", _hbm_and_host),
     Design("prefill_on_d", "prefill on D", "the router sends a later turn whole to the D holding its conversation "
            "(Dynamo's conditional disaggregation rules), which computes the suffix between its decode steps; other "
            "turns pull from D's HBM as vLLM does, pinned", _prefill_on_d(PINNED)),
@@ -130,6 +159,10 @@ def setting_label(policy: dict[str, Any]) -> str:
                  else f"thr={policy.get('kv_recompute_threshold', 64)}")
     if policy.get("retained_under_pressure", "pinned") != "pinned":
         parts.append(policy["retained_under_pressure"])
+    if policy.get("host_tier"):
+        size = policy.get("cpu_bytes_to_use", 0.0)
+        parts.append(f"host {size / 1e9:,.0f} GB {policy.get('eviction_policy', 'lru')}" if size
+                     else f"host tier {policy.get('eviction_policy', 'lru')}")
     if policy.get("prefill_on_d", "off") != "off":
         parts.append(f"on_d={policy['prefill_on_d']}")
     return " ".join(parts)

@@ -29,6 +29,7 @@ from tests.vllm_releases import OTHER_RELEASES, require_overlay
 
 from impl.cli import main
 from impl.connector.config import ConnectorSettings
+from impl.connector.two_tier import check_kv_transfer_config
 from sim.tune.frontier import Point
 from sim.tune.grid import REFERENCES, build_grid
 from sim.tune.design_report import design_settings
@@ -78,9 +79,19 @@ def test_no_recommendation_carries_an_infinity_or_nan():
 
 
 def test_the_connector_validator_accepts_every_recommendation():
+    host = 0
     for c, s in _settings():
         for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
-            ConnectorSettings.from_extra_config(s[side]["kv_connector_extra_config"])  # raises, naming the key
+            # either form, bidikv's child checked by bidikv's validator (raises, naming the key)
+            parts = check_kv_transfer_config(s[side])
+            ConnectorSettings.from_extra_config(parts.nixl["kv_connector_extra_config"])
+            if c.policy.get("host_tier"):
+                host += 1
+                assert s[side]["kv_connector"] == "MultiConnector" and parts.host_tier is not None
+                assert parts.host_tier.offload_prompt_only is (side.startswith("prefill"))  # D stores its answers
+            else:
+                assert parts.offloading is None
+    assert host >= 4
 
 
 def test_the_heartbeat_port_is_not_a_port_the_recipe_already_uses():
