@@ -115,10 +115,10 @@ def with_host_tier(s: dict[str, Any], policy: dict[str, Any], profile_name: str)
                       "min_cached_token_delta": policy.get("min_cached_token_delta")}
     s["caveat"] = ("P reads D's host tier only for a request that names it (kv_transfer_params.remote_kv_source = "
                    "{kv_request_id, remote_host, remote_port}: vLLM's P2P tier, v1/kv_offload/tiering/p2p/manager.py); "
-                   "the router must stamp it for a turn D's HBM no longer holds. Set VLLM_P2P_SIDE_CHANNEL_HOST to each "
-                   "instance's routable address; every instance needs the same --block-size and PYTHONHASHSEED "
-                   "(block hashes must agree). The deploy recipe's keys above are the HBM part only: run P and D with "
-                   "the two configs above")
+                   "bidikv router stamps it for a turn D's HBM no longer holds when started with --host-tier-capacity-tokens "
+                   "(D's host tier in KV tokens) and impl/deploy's [host_tier] table sets it up (docs/guides/"
+                   "host-tier.md). Set VLLM_P2P_SIDE_CHANNEL_HOST to each instance's routable address; every instance "
+                   "needs the same --block-size and PYTHONHASHSEED (block hashes must agree)")
 
 
 def router_flags(policy: dict[str, Any], argv: Sequence[str] = ()) -> list[str]:
