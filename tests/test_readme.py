@@ -29,3 +29,12 @@ def test_quick_start_names_exactly_two_commands_and_ci_runs_the_test_one():
     commands = [line.split("#")[0].strip() for line in quick.splitlines() if line.strip()]
     assert commands == ["bash tools/demo.sh", "bash tools/test.sh"]
     assert "exec bash tools/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_architecture_diagram_names_every_policy_module():
+    """A newcomer reads the diagram to find where a decision lives: every module of impl/policy is on it."""
+    text = (ROOT / "README.md").read_text()
+    diagram = text.split("## Architecture", 1)[1].split("```", 2)[1]
+    modules = sorted(p.name for p in (ROOT / "impl" / "policy").glob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if m not in diagram]
+    assert not missing, f"the README's architecture diagram does not name {missing}"
