@@ -4,8 +4,9 @@ D's connector keeps the turn's blocks that long (impl/router/retention.py, impl/
 With a budget of one token no learnt hold is worth its memory: once the tenant has made
 --learnt-retention-min-returns returns, the router asks D to keep nothing. The router's own expiry for the
 entry is its --decoder-kv-blocks-ttl (D's 20 s here) unless D's notification says sooner, so a turn whose
-previous one was asked "0 s" and then finds nothing is D's doing; before that, turns held on the fallback
-(D's TTL) are pulled. The pull or its absence is counted by vLLM's own metrics on P.
+previous one was asked "0 s" and then finds nothing is D's doing. A fallback hold (before enough returns) counts
+against the tenant's share of the budget too, so at one token it is ~0 s after the tenant's first turn. The pull
+or its absence is counted by vLLM's own metrics on P.
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def test_d_keeps_each_turn_only_as_long_as_the_router_learnt_to_ask(e2e: E2E):
         assert m.value("bidikv_router_learnt_retention", figure="price_per_token_s") > 0
 
         before = _external_tokens(e2e.prefill)
-        kept = chat(router.url, conversations["a"], max_tokens=16)  # a2 held on the fallback: D's 20 s
-        assert int(kept.headers["X-Bidikv-Reuse-Offered-Tokens"]) > 0
-        pulled = _external_tokens(e2e.prefill)
-        assert pulled > before  # P pulled it from D
+        expired = m.value("bidikv_router_reuse_misses_total", reason="expired")
+        # a2 arrived on the fallback, but a fallback hold counts against its tenant's share of the budget
+        # (impl.policy.tenant_shares): one token's worth at the tenant's rate is ~0 s, so D let a2 go too
+        capped = chat(router.url, conversations["a"], max_tokens=16)
+        assert capped.headers.get("X-Bidikv-Reuse-Offered-Tokens") == "0"
         freed = chat(router.url, conversations["b"], max_tokens=16)  # b2 asked for 0 s: D let it go
         assert freed.headers.get("X-Bidikv-Reuse-Offered-Tokens") == "0"
-        assert _external_tokens(e2e.prefill) == pulled
+        assert _external_tokens(e2e.prefill) == before  # P pulled nothing: D kept neither
         m = Metrics.scrape(router.url)
-        assert m.value("bidikv_router_reuse_misses_total", reason="expired") == 1
+        # both final turns found their entry expired (earlier turns may have too: a1's capped hold is ~0 s)
+        assert m.value("bidikv_router_reuse_misses_total", reason="expired") == expired + 2
     finally:
         router.stop()
