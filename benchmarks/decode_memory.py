@@ -38,8 +38,8 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict, float]:
     label, base, policy = args
     import dataclasses
 
-    from sim.config import SimConfig
-    from sim.runner import run_config
+    from sim.engine.config import SimConfig
+    from sim.engine.runner import run_config
 
     cfg = SimConfig(workload=base["workload"], profile=base["profile"])
     cfg.topology.num_prefill, cfg.topology.num_decode = base["num_prefill"], base["num_decode"]

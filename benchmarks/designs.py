@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the tables into this page, between its generated-section markers")
     args = ap.parse_args(argv)
 
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
     from sim.tune.designs import parse_designs
     from sim.tune.executor import Runs
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_before": load_before, "load_after": load_after, "wall_s": wall, "simulations": runs.simulations,
             "cpu_s": runs.cpu_s, "max_retained_hbm_pct": args.max_retained_hbm_pct, "goal": GOAL}
     if args.json:
-        from sim.cli import dumps
+        from sim.commands.simulate import dumps
 
         print(dumps({**meta, "workloads": results}))
     else:

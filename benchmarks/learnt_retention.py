@@ -45,8 +45,8 @@ def _one(job: tuple[str, str, dict, dict]) -> tuple[str, str, dict, float]:
     workload_name, label, base, policy = job
     import dataclasses
 
-    from sim.config import SimConfig
-    from sim.runner import run_config
+    from sim.engine.config import SimConfig
+    from sim.engine.runner import run_config
 
     cfg = SimConfig(workload=base["workload"], profile=base["profile"])
     cfg.topology.num_prefill, cfg.topology.num_decode = base["num_prefill"], base["num_decode"]

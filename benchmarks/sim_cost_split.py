@@ -40,7 +40,7 @@ def _run(turns: int, nodes: int, rate_nodes: int, think_s: float, record: str | 
 
     log: list = []
     if record:
-        import sim.router
+        import sim.engine.router
         from impl.policy.placement import InstanceLoad, LeastLoadedIndex
 
         class Recording(LeastLoadedIndex):
@@ -56,7 +56,7 @@ def _run(turns: int, nodes: int, rate_nodes: int, think_s: float, record: str | 
                 log.append(("pick", id(self)))
                 return super().pick(rng)
 
-        sim.router.LeastLoadedIndex = Recording  # type: ignore[misc]
+        sim.engine.router.LeastLoadedIndex = Recording  # type: ignore[misc]
     # sim_speed.py's workload (0.25 conversations/s per node pair) with this row's rate and think time
     result = sim_speed.one(turns, nodes, 0, calibrate=False, arrival_rate_per_s=0.25 * rate_nodes,
                            think_mean_s=think_s)

@@ -59,7 +59,7 @@ def configs() -> dict[str, dict]:
 
 
 def build(overrides: dict):
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
 
     config = SimConfig(seed=7)
     for dotted, value in overrides.items():
@@ -73,8 +73,8 @@ def build(overrides: dict):
 
 
 def fingerprint(overrides: dict) -> tuple[str, int, float]:
-    from sim.records import RECORD_FIELDS
-    from sim.runner import run_config
+    from sim.engine.records import RECORD_FIELDS
+    from sim.engine.runner import run_config
 
     config = build(overrides)
     start = time.process_time()

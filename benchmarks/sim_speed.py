@@ -79,8 +79,8 @@ def one(turns: int, nodes: int, seed: int, calibrate: bool = True, arrival_rate_
         think_mean_s: float = 30.0) -> dict:
     """One run of ``turns`` on ``nodes``P``nodes``D. The arrival rate defaults to 0.25 conversations/s
     per node pair (every node busy); benchmarks/sim_cost_split.py sets it and the think time apart."""
-    from sim.cluster import Cluster
-    from sim.config import SimConfig
+    from sim.engine.cluster import Cluster
+    from sim.engine.config import SimConfig
     from sim.workload import load_workload
     from calibration.profile import LatencyProfile
 
@@ -96,7 +96,7 @@ def one(turns: int, nodes: int, seed: int, calibrate: bool = True, arrival_rate_
     bare = bare_simpy_events_per_s() if calibrate else math.nan
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # interpreter, modules, calibration
     start, cpu_start = time.perf_counter(), time.process_time()
-    # what sim.runner.run_config does, with the cluster kept to read its event count
+    # what sim.engine.runner.run_config does, with the cluster kept to read its event count
     workload = load_workload(config.workload, config.seed)
     cluster = Cluster(config, LatencyProfile.load(config.profile))
     result = cluster.run(workload)

@@ -8,7 +8,7 @@ Two features per turn, computed from the bench records alone (start, TTFT, total
   twice as long to its first token (measured: OFF requests 2-5, 2,288 ms busy vs 1,141 ms quiet). The
   cause named so far: the connector's worker-side reader keeps polling for about a second after every
   step (impl/connector), on the core P needs. It is a property of the rig (P and D on one CPU), not of a
-  GPU deployment, which is why it is fitted and replayed separately (:mod:`sim.contention`) and not
+  GPU deployment, which is why it is fitted and replayed separately (:mod:`sim.engine.contention`) and not
   written into a profile's physical terms.
 * decode load over the turn's decode span ``[start + ttft, start + total]``: the mean number of
   sequences decoding together (this one included) and the mean total context they hold, each other
@@ -17,7 +17,7 @@ Two features per turn, computed from the bench records alone (start, TTFT, total
   :mod:`calibration.profile`).
 
 Pure functions of the records; :mod:`calibration.from_bench` regresses on them and
-:mod:`sim.validate` replays the same definition in the simulator.
+:mod:`sim.replay.validate` replays the same definition in the simulator.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 each sets ``run`` to a handler taking the parsed namespace and returning an exit code.
 ``load_simulator`` returns the simulator (:class:`Simulator`) when a command runs: calibration is a
 layer below the simulator and never imports it, so the caller passes it in. ``bidikv`` registers
-these commands through ``sim.calibration_cli``, which does. ``main(argv)`` runs them standalone
+these commands through ``sim.commands.calibrate``, which does. ``main(argv)`` runs them standalone
 without it (``python -m calibration.cli calibrate``: the closed form, and its source line says so).
 
 * ``calibrate`` loads the shipped profiles (or refits them with ``--refit``, in memory) and prints per
@@ -35,7 +35,7 @@ TOLERANCE = 0.03
 @dataclasses.dataclass(frozen=True)
 class Simulator:
     """The simulator's two runs the calibration commands compare with, passed in from above
-    (sim.calibration_cli passes sim.published's)."""
+    (sim.commands.calibrate passes sim.replay.published's)."""
     published_point: Callable[..., Mapping[str, float]]  # calibration.report.SimulatedPoint
     heldout_benchmark: Callable[..., Mapping[str, float]]  # calibration.heldout.SimulatedBenchmark
 

@@ -176,7 +176,7 @@ def fit_from_runs(runs: Sequence[Sequence[BenchRecord]], base: LatencyProfile, n
     which turns overlapped is decided within a run, never across two.
 
     ``busy_window_s`` 0 fits no busy term. The busy factor is in the report and the profile's
-    provenance (``host_contention``), not in a profile field: :mod:`sim.contention` replays it.
+    provenance (``host_contention``), not in a profile field: :mod:`sim.engine.contention` replays it.
     """
     settings = settings or DeploymentSettings(block_size=0, kv_bytes_per_token=0.0)
     if max_transfer_bytes_per_s <= 0:

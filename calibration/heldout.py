@@ -3,9 +3,9 @@
 The PR's figures (``data/heldout_pr32553.csv``) are means and medians over vLLM's multi-turn benchmark,
 not single-request points, so they are predicted the way they were measured: the PR's benchmark config
 (``data/pr32553_multi_turn.json``, vLLM's ``generate_multi_turn.json`` format with the PR's parameters)
-sent by vLLM's client loop as the simulator replays it (:mod:`sim.bench_clients`: 2 clients, 24 active
+sent by vLLM's client loop as the simulator replays it (:mod:`sim.clients.bench`: 2 clients, 24 active
 conversations served round robin, back to back, the run ends when the first conversation does), on 1P1D
-with prefix caching OFF on P (``sim.published.published_config``), by a profile that ``bidikv profile``
+with prefix caching OFF on P (``sim.replay.published.published_config``), by a profile that ``bidikv profile``
 builds from the model's config.json with the efficiencies given. What the comparison has to assume:
 
 * the PR does not state the instances' TP size: every figure is predicted at each of :data:`TPS`;
@@ -15,7 +15,7 @@ builds from the model's config.json with the efficiencies given. What the compar
 TPOT per turn = (completion - arrival - TTFT) / (output tokens - 1), vLLM's definition.
 
 The run itself is a parameter (:data:`SimulatedBenchmark`): the caller passes in
-``sim.published.simulate_heldout_benchmark``, since calibration is a layer below the simulator and does
+``sim.replay.published.simulate_heldout_benchmark``, since calibration is a layer below the simulator and does
 not import it (``tools/import_graph.py --layers``).
 """
 
@@ -39,7 +39,7 @@ BENCH_CONFIG = DATA_DIR / "pr32553_multi_turn.json"
 ACTIVE_CONVERSATIONS = 24  # the PR's active_conversations: all 24 at once, 12 per client
 
 # (profile, bidirectional, seed) -> ``ttft_mean``, ``ttft_p50``, ``tpot_mean`` (ms) and ``requests`` of the
-# PR's benchmark as the simulator runs it: sim.published.simulate_heldout_benchmark, passed in by the
+# PR's benchmark as the simulator runs it: sim.replay.published.simulate_heldout_benchmark, passed in by the
 # caller (calibration is a layer below the simulator and does not import it).
 SimulatedBenchmark = Callable[[Any, bool, int], Mapping[str, float]]
 

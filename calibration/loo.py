@@ -1,7 +1,7 @@
 """Leave one model out: how far a profile for a model nobody measured can be trusted, from data.
 
 Two kinds of held-out prediction, printed by ``bidikv calibrate --leave-one-model-out`` (or
-``python -m sim.calibration_cli loo [--json|--markdown]``):
+``python -m sim.commands.calibrate loo [--json|--markdown]``):
 
 * **across kernel families, published figures** (closed form, calibration.fit.leave_one_out): fit on one
   measured model's ten figures alone (EFA at line rate: nothing from the other model), build the other
@@ -15,7 +15,7 @@ The summary gives per (trained on, predicted model, metric group) the median and
 signed range: the numbers ``bidikv profile`` prints as what to expect.
 
 The held-out part runs the simulator, which calibration does not import: :func:`report` and :func:`main`
-take it as a parameter (calibration.heldout.SimulatedBenchmark), and ``sim.calibration_cli`` passes it in.
+take it as a parameter (calibration.heldout.SimulatedBenchmark), and ``sim.commands.calibrate`` passes it in.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def report(simulate_benchmark: SimulatedBenchmark, with_alternatives: bool = True, seed: int = 0) -> dict[str, Any]:
     """Both parts and their summary; the held-out part runs ``simulate_benchmark`` (the simulator, passed in:
-    sim.published.simulate_heldout_benchmark)."""
+    sim.replay.published.simulate_heldout_benchmark)."""
     from calibration.heldout import heldout_rows
 
     published = published_rows()
@@ -109,7 +109,7 @@ def format_markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-COMMAND = "python -m sim.calibration_cli loo"  # main with the simulator passed in
+COMMAND = "python -m sim.commands.calibrate loo"  # main with the simulator passed in
 
 
 def main(argv: Sequence[str] | None = None, simulate_benchmark: SimulatedBenchmark | None = None,

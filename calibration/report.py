@@ -1,7 +1,7 @@
 """Measured vs simulated: the published figures beside what a profile produces, and the two charts.
 
 The "simulated" column comes from the simulator when the caller passes one in (:data:`SimulatedPoint`:
-``sim.published.simulate_published_point(profile, prompt_tokens, bidirectional, seed)``, medians over
+``sim.replay.published.simulate_published_point(profile, prompt_tokens, bidirectional, seed)``, medians over
 simulated turns; calibration is a layer below the simulator and does not import it), otherwise from the
 closed form (calibration.closed_form: the simulator's assembly without contention). Which one was used
 is carried in every record and printed; the closed form is never passed off as the simulator.
@@ -20,7 +20,7 @@ from calibration.published import BenchmarkShape, PublishedFigure
 SIMULATOR, CLOSED_FORM = "simulator", "closed-form"
 PointFn = Callable[[LatencyProfile, int, bool], Mapping[str, float]]
 # (profile, prompt_tokens, bidirectional, seed) -> ttft_s, prefill_s, transfer_s: the simulator's run of
-# the published benchmark, passed in by a caller above both layers (sim.calibration_cli)
+# the published benchmark, passed in by a caller above both layers (sim.commands.calibrate)
 SimulatedPoint = Callable[[LatencyProfile, int, bool, int], Mapping[str, float]]
 NO_SIMULATOR = "no simulator passed in"
 
@@ -58,7 +58,7 @@ def resolve_source(requested: str = "auto", seed: int = 0, simulator: SimulatedP
     def point(profile: LatencyProfile, prompt_tokens: int, bidirectional: bool) -> Mapping[str, float]:
         return simulator(profile, prompt_tokens, bidirectional, seed)
 
-    name = f"{simulator.__module__}.{simulator.__qualname__}"  # sim.published.simulate_published_point
+    name = f"{simulator.__module__}.{simulator.__qualname__}"  # sim.replay.published.simulate_published_point
     return Source(SIMULATOR, f"simulator: {name} (seed {seed})", point)
 
 

@@ -21,12 +21,12 @@ from typing import Sequence
 
 # command -> the module that registers it (``register(subparsers)``), in the order ``--help`` lists them
 COMMANDS = {
-    "simulate": "sim.cli",
+    "simulate": "sim.commands.simulate",
     "tune": "sim.tune.cli",
-    "trace": "sim.trace_cli",  # router trace <-> Mooncake
-    "calibrate": "sim.calibration_cli",  # calibration.cli's, with the simulator passed in
-    "profile": "sim.calibration_cli",
-    "validate": "sim.validate_cli",  # replays bench runs through the simulator
+    "trace": "sim.commands.trace",  # router trace <-> Mooncake
+    "calibrate": "sim.commands.calibrate",  # calibration.cli's, with the simulator passed in
+    "profile": "sim.commands.calibrate",
+    "validate": "sim.commands.validate",  # replays bench runs through the simulator
     "router": "impl.router.cli",
     "bench": "sim.bench.cli",
     "deploy": "impl.deploy.cli",

@@ -28,7 +28,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 # what a simulated turn runs through, by its share of a 64P64D run's time; the rest (configs, workload
 # generation, records, reports) is not worth a build step
-MODULES = ("sim.instant", "sim.interconnect", "sim.decode", "sim.prefill", "sim.router", "sim.conversation_client")
+MODULES = ("sim.engine.instant", "sim.engine.interconnect", "sim.engine.decode", "sim.engine.prefill", "sim.engine.router", "sim.clients.conversation")
 # the shared library mypyc builds for the group (in the package, so an installed sim finds it)
 GROUP = "sim._native"
 STAMP = PACKAGE_DIR / "_native.json"
@@ -126,6 +126,6 @@ def describe() -> str:
 
 def build_name() -> str:
     """Which build the simulator runs: "native (mypyc)" or "pure Python" (import time decides)."""
-    import sim.decode
+    import sim.engine.decode
 
-    return "native (mypyc)" if not sim.decode.__file__.endswith(".py") else "pure Python"
+    return "native (mypyc)" if not sim.engine.decode.__file__.endswith(".py") else "pure Python"

@@ -15,7 +15,7 @@ from impl.connector.config import KNOWN_BIDIKV_KEYS, ConfigError, ConnectorSetti
 from impl.policy import catalogue
 from impl.policy.catalogue import CONNECTOR, RENAMED, ROUTER, SETTINGS, SIM
 from impl.router.config import FLAG_HELP, RouterConfig, build_config
-from sim.config import PolicyConfig, load_config
+from sim.engine.config import PolicyConfig, load_config
 
 CATALOGUE_NAMES = {s.name for s in SETTINGS}
 # PolicyConfig fields that are not (yet) one catalogue setting, and why
@@ -172,7 +172,7 @@ NOT_ONE_SETTING = {
 
 
 def test_a_name_on_two_surfaces_is_a_catalogue_setting():
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
 
     def fields(cls: type) -> set[str]:
         out = set()

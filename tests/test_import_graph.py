@@ -115,7 +115,7 @@ def test_this_repository_has_no_import_cycle():
 
 
 # Not even a deferred one: calibration takes the simulator as a parameter (calibration.cli.Simulator)
-# and sim.calibration_cli, above both, passes it in; the bench's record format is calibration's
+# and sim.commands.calibrate, above both, passes it in; the bench's record format is calibration's
 # (calibration.bench_records), so calibration imports nothing of impl but the policies; impl.cli, the
 # dispatcher, names its subcommands' modules by name (tests/test_run_time_layers.py: what that loads).
 def test_this_repository_has_no_upward_arrow():

@@ -6,8 +6,8 @@ What crosses modules goes through a public method or attribute (``Cluster.client
 heard of.
 
 The exceptions are a library's insides that the simulator drives for speed, where the module says why:
-simpy's state (``env._now``, ``event._ok`` ...) in sim/instant.py and the jump it describes in
-sim/prefill.py; ``random.Random._randbelow`` in sim/workload/distributions.py (what ``randint`` draws,
+simpy's state (``env._now``, ``event._ok`` ...) in sim/engine/instant.py and the jump it describes in
+sim/engine/prefill.py; ``random.Random._randbelow`` in sim/workload/distributions.py (what ``randint`` draws,
 held to the same draws by tests/workload/test_distributions.py).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIMPY_STATE = {"_now", "_ok", "_value", "_queue"}
-SIMPY_DRIVERS = {"sim/instant.py", "sim/prefill.py"}
+SIMPY_DRIVERS = {"sim/engine/instant.py", "sim/engine/prefill.py"}
 LIBRARY_CALLS = {("sim/workload/distributions.py", "_randbelow")}
 
 

@@ -113,5 +113,5 @@ def test_a_simulator_subcommand_loads_the_simulator_so_the_checks_above_can_fail
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
             "    main(['trace', 'to-mooncake', '--help'])\n")
     loaded = _loaded(code)
-    assert "sim.trace_cli" in _simulator(loaded)
+    assert "sim.commands.trace" in _simulator(loaded)
     assert "impl.router.cli" not in loaded  # and only the subcommand asked for

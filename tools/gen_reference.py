@@ -127,7 +127,7 @@ def cli_page() -> str:
     lines = ["# Command line", "",
              "Every subcommand of the `bidikv` console script and every flag, as `bidikv COMMAND --help` prints "
              "them (defaults included). Flags of `simulate` and `tune` override a `--config` TOML file, which "
-             "overrides the dataclasses in `sim/config.py`.", ""]
+             "overrides the dataclasses in `sim/engine/config.py`.", ""]
     commands = []
 
     def walk(parser, path):

@@ -9,7 +9,7 @@ prevent and costly to undo, so this runs as a test.
 Every import counts, wherever it sits: one inside a function is still a dependency, only deferred; one
 in an ``if TYPE_CHECKING:`` block is one for whoever reads or type-checks the module, so it makes a cycle
 as much as any other. A module that imports :mod:`importlib` and names a project module in a string
-(``importlib.import_module("sim.cli")``, or a table of such names) is taken to import it: by name.
+(``importlib.import_module("sim.commands.simulate")``, or a table of such names) is taken to import it: by name.
 
 The console script's dispatcher (``DISPATCHERS``: impl.cli) is the one place a lower layer names a
 higher one, by name only: it loads a subcommand's module when that subcommand is asked for, so

@@ -1,6 +1,6 @@
 """What every latency table shares, measured or simulated: the prompt-length buckets and the percentile.
 
-``bidikv bench``, ``bidikv deploy compare`` and the simulator's reports (sim.records) all read these
+``bidikv bench``, ``bidikv deploy compare`` and the simulator's reports (sim.engine.records) all read these
 from here, so a measured table and a simulated one bucket and interpolate alike and line up row by
 row.
 """

@@ -30,7 +30,7 @@ How to add a setting
 2. A policy constructor's argument: add ``(setting, argument)`` to its :class:`Policy`'s ``args``; the
    registry then builds the policy with it on every surface and names it in the policy's errors.
 3. On each surface you named, take the default and help from here: the simulator's field
-   ``name: float = sim_field("name")`` in ``PolicyConfig`` (sim/config.py; flag, TOML key and bounds
+   ``name: float = sim_field("name")`` in ``PolicyConfig`` (sim/engine/config.py; flag, TOML key and bounds
    follow), the router's field ``name: float = _d("name")`` in ``RouterConfig`` (impl/router/config.py;
    flag, help and bounds follow); the connector reads and checks every CONNECTOR setting by itself
    (impl/connector/config.py): use ``settings.values["name"]``.
@@ -65,7 +65,7 @@ from impl.policy.recompute import BreakEvenThreshold, FixedThreshold
 from impl.policy.retention import FixedTTL, GapQuantileTTL, HeartbeatLease
 from impl.policy.return_time import LearntRetentionSettings
 
-SIM = "sim"  # sim.config.PolicyConfig and `bidikv simulate` / `bidikv tune` flags
+SIM = "sim"  # sim.engine.config.PolicyConfig and `bidikv simulate` / `bidikv tune` flags
 CONNECTOR = "connector"  # kv_connector_extra_config (impl.connector.config)
 ROUTER = "router"  # impl.router.config.RouterConfig and `bidikv router` flags
 SURFACES = (SIM, CONNECTOR, ROUTER)
@@ -283,7 +283,7 @@ SETTINGS: tuple[Setting, ...] = (
        "entry expired (or D kept nothing) the router still counts on D's prefix cache holding it", SIM, unit="s",
        minimum=0),
     # -- the connector's machinery -------------------------------------------------------------------------
-    # the host tier (impl.policy.host_tier; the simulator's model of vLLM's OffloadingConnector: sim.host_tier).
+    # the host tier (impl.policy.host_tier; the simulator's model of vLLM's OffloadingConnector: sim.engine.host_tier).
     # vLLM's own keys (cpu_bytes_to_use, eviction_policy, offload_prompt_only) keep vLLM's names.
     _s("host_tier", bool, False, "host tier: D offloads each finished turn's KV to host DRAM (vLLM's "
        "OffloadingConnector) and P pulls it from there (its P2P tier) when D's HBM no longer holds the turn", SIM),

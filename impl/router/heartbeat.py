@@ -31,7 +31,7 @@ busy, 504 D timed out, 502 D answered nonsense -- in all three the entry is left
 Separate from the turn path on purpose: its own small aiohttp session (D's listener is another port,
 one request per connection), and nothing here runs for completions.
 
-Which client behaviour a caller implements (the simulator's names, ``sim/clients.py``; ``bidikv tune
+Which client behaviour a caller implements (the simulator's names, ``sim/clients/renewal.py``; ``bidikv tune
 --client-renewal`` recommends for one; examples in the README's router section):
 
 * ``while_open`` -- a chat UI that heartbeats while its page is open, or an API client while its

@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-clients", type=int, default=None,
                    help="vLLM's --num-clients, with --vllm-multi-turn-config (default: the config's num_clients, "
                         "else 1); other workloads use --concurrency")
-    from sim.cli import add_vllm_flags
+    from sim.commands.simulate import add_vllm_flags
 
     add_vllm_flags(p)
     p.set_defaults(run=run)
@@ -57,8 +57,8 @@ def register(subparsers: Any) -> None:
 def plan_from_args(args: argparse.Namespace) -> tuple[dict, int, int]:
     """The [workload] table, seed and number of clients, read as ``bidikv simulate`` reads them (TOML,
     then flags), so the same config and flags describe the same run in both."""
-    from sim.cli import workload_from_args
-    from sim.config import load_config
+    from sim.commands.simulate import workload_from_args
+    from sim.engine.config import load_config
     from sim.workload import VLLM_MULTI_TURN
 
     base = load_config(args.config)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          run_id=args.run_id if args.run_id is not None else os.urandom(4).hex())
     if workload.get("kind") == VLLM_MULTI_TURN:
         from sim.bench.vllm_clients import run_vllm_bench
-        from sim.bench_clients import config_from_workload
+        from sim.clients.bench import config_from_workload
 
         records = asyncio.run(run_vllm_bench(config, conversations, config_from_workload(workload), num_clients))
     else:

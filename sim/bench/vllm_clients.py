@@ -2,7 +2,7 @@
 
 The conversations come from the same config and seed as ``bidikv simulate``'s
 (:mod:`sim.workload.vllm_multi_turn`), and each client follows the same rule
-(:class:`sim.bench_clients.VllmClient`: round robin over its active conversations, early stop), so
+(:class:`sim.clients.bench.VllmClient`: round robin over its active conversations, early stop), so
 the two describe one run. Prompts are token ids: request 0 is the common prefix (the same ids in
 every conversation, so a prefix cache can share them as it shares vLLM's common text) followed by
 the conversation's own ids; request k is the previous prompt, the ids the server answered, and the
@@ -26,8 +26,8 @@ import aiohttp
 from sim.bench.client import _model_info, _turn, turn_record
 from sim.bench.config import BenchConfig
 from calibration.bench_records import BenchRecord
-from sim.bench_clients import VllmClient, VllmClientConfig, make_clients
-from sim.rng import stream
+from sim.clients.bench import VllmClient, VllmClientConfig, make_clients
+from sim.engine.rng import stream
 from sim.workload.model import Conversation
 from sim.workload.vllm_multi_turn import user_tokens
 

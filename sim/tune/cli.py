@@ -1,6 +1,6 @@
 """``bidikv tune``: choose decoder_kv_blocks_ttl and kv_recompute_threshold for a workload.
 
-The workload is ``bidikv simulate``'s: the same config, flags and default (sim/config.py), stated in
+The workload is ``bidikv simulate``'s: the same config, flags and default (sim/engine/config.py), stated in
 ``--help`` and on the first line of the output. ``--json`` prints strict JSON (``null`` for no value).
 """
 
@@ -19,8 +19,8 @@ from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, th
 
 
 def register(subparsers: Any) -> None:
-    from sim.cli import add_config_flags, describe_spec, number
-    from sim.config import SimConfig
+    from sim.commands.simulate import add_config_flags, describe_spec, number
+    from sim.engine.config import SimConfig
 
     p = subparsers.add_parser(
         "tune", help="sweep TTL x threshold x retention policy; recommend a vLLM config",
@@ -103,7 +103,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.cli import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
+    from sim.commands.simulate import config_from_args, describe_workload, dumps, load_conversations, prepare_dir
     from sim.tune.executor import Runs
     from sim.tune.grid import REFERENCES, build_grid
     from sim.tune.sensitivity import (UNSTATED, lease_points, sensitivity_rows, sensitivity_table, stated_renewal,
@@ -177,5 +177,5 @@ def run(args: argparse.Namespace) -> int:
             # a lease's figures hold only for clients that heartbeat as assumed: say which
             bound = " (they know the future: an upper bound, not a client you can deploy)" if stated == "until_next_turn" else ""
             print(f"  clients: these figures assume {stated or 'the worse of never and while_open'} clients{bound} "
-                  "(sim/clients.py); see the sensitivity table for the others")
+                  "(sim/clients/renewal.py); see the sensitivity table for the others")
     return 0

@@ -14,7 +14,7 @@ from sim.tune.designs import DEFAULT_MAX_TPOT_INCREASE_PCT, DESIGN_KEYS
 
 
 def add_design_flags(parser: argparse.ArgumentParser) -> None:
-    from sim.cli import number
+    from sim.commands.simulate import number
 
     g = parser.add_argument_group("designs")
     g.add_argument("--designs", nargs="?", const="all", default=None, metavar="all|DESIGN,...",
@@ -32,7 +32,7 @@ def check_design_args(args: argparse.Namespace) -> None:
 
 
 def run_designs(args: argparse.Namespace) -> int:
-    from sim.cli import config_from_args, describe_workload, dumps, load_conversations
+    from sim.commands.simulate import config_from_args, describe_workload, dumps, load_conversations
     from sim.tune import design_report
     from sim.tune.run_inputs import capacity_warnings, decode_memory, float_list, thresholds_of
     from sim.tune.designs import DESIGN_THRESHOLDS, Settings, parse_designs, tune_designs

@@ -53,7 +53,7 @@ class Design:
     key: str  # one word, for --designs and JSON
     name: str  # for people
     what: str  # one line: what a deployment runs
-    grid: Callable[[Settings], list[dict[str, Any]]]  # policy overrides (sim.config.PolicyConfig fields)
+    grid: Callable[[Settings], list[dict[str, Any]]]  # policy overrides (sim.engine.config.PolicyConfig fields)
 
 
 def _ttls(modes: dict[str, Any]) -> Callable[[Settings], list[dict[str, Any]]]:

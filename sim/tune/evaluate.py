@@ -11,10 +11,10 @@ import json
 from typing import Any, Callable, Sequence
 
 from impl.policy.give_back import GiveBack
-from sim.cluster import without_cyclic_gc
-from sim.config import SimConfig
-from sim.records import fields_of, percentile
-from sim.runner import run_config
+from sim.engine.cluster import without_cyclic_gc
+from sim.engine.config import SimConfig
+from sim.engine.records import fields_of, percentile
+from sim.engine.runner import run_config
 from sim.workload import load_workload
 from sim.workload.model import Conversation
 
@@ -36,7 +36,7 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
     s = result.summary
     # the completed turns' TTFTs and total queueing, from the table's columns (no record built)
     ttfts: list[float] = []
-    tpots: list[float] = []  # sim.records.TurnRecord.tpot_s of the turns with two output tokens or more
+    tpots: list[float] = []  # sim.engine.records.TurnRecord.tpot_s of the turns with two output tokens or more
     queued = 0  # a left fold from the int 0 in record order: what sum() over the records computed
     for rejected, ttft_s, p_queue_s, d_queue_s, arrival_s, completion_s, output_tokens in fields_of(
             result.records, "rejected", "ttft_s", "p_queue_s", "d_queue_s", "arrival_s", "completion_s", "output_tokens"):
@@ -79,7 +79,7 @@ def _figures(cfg: SimConfig, result: Any) -> dict[str, Any]:
 def give_back_idle(cfg: SimConfig, summary: dict[str, Any], decode_peaks: Sequence[tuple[int, int]]) -> bool:
     """A pinned run that giving back would not have changed, event for event: no turn waited for blocks, nothing
     was preempted, dropped or rejected, and no D ever had fewer free blocks than give_back's headroom watermark
-    (sim/decode.py gives back only below the watermark or while a turn waits; otherwise the two modes run the
+    (sim/engine/decode.py gives back only below the watermark or while a turn waits; otherwise the two modes run the
     same events: the renewals it adds are answered at once). Its give_back twin takes its figures."""
     pol = cfg.policy
     if pol.retained_under_pressure != "pinned" or summary["d_waits"] or summary["preemptions"] or summary["rejected"] \

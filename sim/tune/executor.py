@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from sim.config import SimConfig
+from sim.engine.config import SimConfig
 from sim.tune.evaluate import evaluate
 
 EXECUTORS = ("process", "ray", "serial")

@@ -2,9 +2,9 @@
 
 Savings are relative to bidirectional OFF: compute saving = prompt tokens recomputed with OFF minus
 with the configuration; TTFT saving = mean TTFT with OFF minus with the configuration. Each is
-expressed as a percentage of the oracle's saving. The oracle (sim/oracle.py) is clairvoyant retention with
+expressed as a percentage of the oracle's saving. The oracle (sim/engine/oracle.py) is clairvoyant retention with
 time-optimal pulls, a reference and not an upper bound: more than 100 % means a configuration saved more
-than it on that metric (sim/oracle.py says exactly what it optimises and why it can be beaten). The
+than it on that metric (sim/engine/oracle.py says exactly what it optimises and why it can be beaten). The
 compute saving is also given as a percentage of a true bound, ``compute_bound_tokens``: the prompt
 tokens recomputed if every turn reused the most P could (sim/tune/screen.py), which no configuration
 that completes every turn can beat. No such bound is given for TTFT (queueing is not bounded per turn).

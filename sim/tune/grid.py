@@ -12,14 +12,14 @@ from impl.policy.return_time import LearntRetentionSettings
 
 # Finite only: vLLM's decoder_kv_blocks_ttl (and our connector and router) take a number of seconds,
 # so a recommendation must be one; the oracle (clairvoyant retention, time-optimal pulls) is the reference,
-# not a bound (sim/oracle.py).
+# not a bound (sim/engine/oracle.py).
 DEFAULT_TTLS_S = (0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 3600.0)
 DEFAULT_THRESHOLDS = ("0", "64", "256", "1024", "break_even")
 DEFAULT_LEASES_S = (30.0, 120.0)
 DEFAULT_GAP_QUANTILES = (0.8, 0.9, 0.95)
 # D's TTL under the learnt retention: its longest hold, so D cuts none short (the router asks for less)
 LEARNT_D_TTL_S = LearntRetentionSettings().longest_hold_s
-# what D does with retained blocks when its pool runs short (sim.config.PolicyConfig.retained_under_pressure):
+# what D does with retained blocks when its pool runs short (sim.engine.config.PolicyConfig.retained_under_pressure):
 # vLLM's pinned blocks and bidikv's give-back, each configuration under both
 DECODE_MODES = UNDER_PRESSURE.names(CONNECTOR)  # the deployable ones (not the simulator's instant_drop bound)
 # vLLM's defaults, the reference every configuration is compared with
@@ -30,7 +30,7 @@ VLLM_THRESHOLD = catalogue.default("kv_recompute_threshold")
 @dataclass(frozen=True)
 class Candidate:
     label: str
-    policy: dict[str, Any] = field(default_factory=dict)  # overrides of sim.config.PolicyConfig fields
+    policy: dict[str, Any] = field(default_factory=dict)  # overrides of sim.engine.config.PolicyConfig fields
     kind: str = "sweep"  # sweep | baseline_off | oracle | default
 
     @property

@@ -227,7 +227,7 @@ def as_json(points: Sequence[Point], chosen: Point | None, objective: str,
             profile_name: str = "<profile name or path>", topology: tuple[int, int] = (1, 1),
             decode_kv_tokens: int | None = None) -> dict[str, Any]:
     """Every configuration (``same_results_as``: labels of the configurations collapsed into it), the
-    frontier and the recommendation. Run through sim.cli.dumps: null, never NaN or Infinity."""
+    frontier and the recommendation. Run through sim.commands.simulate.dumps: null, never NaN or Infinity."""
 
     def row(p: Point, members: Sequence[Point] = ()) -> dict[str, Any]:
         m = {k: v for k, v in p.metrics.items() if k not in ("ttft_cdf_ms", "retained_series", "screened")}

@@ -11,7 +11,7 @@ from sim.tune.grid import DEFAULT_THRESHOLDS, parse_floats
 
 def capacity_warnings(points: Any, num_prefill: int) -> list[str]:
     """The simulate warnings, for the references every configuration is measured against."""
-    from sim.cli import QUEUE_SHARE_WARN, UTILISATION_WARN
+    from sim.commands.simulate import QUEUE_SHARE_WARN, UTILISATION_WARN
 
     out = []
     for p in points:

@@ -43,8 +43,8 @@ from calibration.profile import LatencyProfile
 from impl.policy import FixedTTL, PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
 from impl.policy.store import usable_until
-from sim.config import SimConfig
-from sim.records import percentile
+from sim.engine.config import SimConfig
+from sim.engine.records import percentile
 from sim.workload.model import Conversation, Lineage, held_tokens
 
 # Turns whose gap lies this close to a TTL's last usable instant (TTL - margin) are left to the
@@ -146,7 +146,7 @@ class TurnTable:
         self.last_index = np.array(last_index, dtype=np.int64)
         # estimated finish of each conversation and of the run (for the estimate of holds the run's end cuts)
         self.last_finish_estimate_s = np.array(last_finish, dtype=np.float64)
-        # the run ends at the sampler's first tick after the last turn (sim.cluster)
+        # the run ends at the sampler's first tick after the last turn (sim.engine.cluster)
         end = float(self.last_finish_estimate_s.max()) if last_finish else 0.0
         self.end_estimate_s = math.ceil(end / config.series_interval_s) * config.series_interval_s
 
@@ -268,7 +268,7 @@ def _total(gb: np.ndarray, hold_s: np.ndarray) -> float:
 
 
 def screenable(policy: Any) -> bool:
-    """A point the screen can stand for: a fixed TTL with bidirectional transfer (sim.config.PolicyConfig)."""
+    """A point the screen can stand for: a fixed TTL with bidirectional transfer (sim.engine.config.PolicyConfig)."""
     return policy.retention == "ttl" and policy.bidirectional
 
 

@@ -1,7 +1,7 @@
 """The tuner across client renewal behaviours: recommend for the behaviour the user states, and show
 how the recommendation moves when clients renew otherwise.
 
-A lease keeps KV only as long as clients heartbeat (:mod:`sim.clients`), while a fixed or learnt TTL
+A lease keeps KV only as long as clients heartbeat (:mod:`sim.clients.renewal`), while a fixed or learnt TTL
 reads no heartbeat. So each lease candidate is simulated once per behaviour, and every other
 candidate (with the references: OFF, vLLM's default, the oracle) once, shared by all behaviours; the
 "% of the oracle's saving" denominators are therefore the same in every row.
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from sim.config import RENEWAL_BEHAVIOURS, SimConfig
+from sim.engine.config import RENEWAL_BEHAVIOURS, SimConfig
 from sim.tune.evaluate import pinned_twin, run_with_twins, twin_key
 from sim.tune.frontier import OBJECTIVES, Point, analyse
 from sim.tune.grid import VLLM_TTL_S, Candidate

@@ -9,7 +9,7 @@ Reading guide:
 * :mod:`~sim.workload.agentic`       -- tool loops: short gaps, context grown by tool results
 * :mod:`~sim.workload.mooncake`      -- Mooncake FAST'25 trace replay and its gap statistics
 * :mod:`~sim.workload.vllm_multi_turn` -- vLLM's ``generate_multi_turn.json`` read as is (its client
-                                        loop: :mod:`sim.bench_clients`)
+                                        loop: :mod:`sim.clients.bench`)
 * :mod:`~sim.workload.history`       -- where a resent history departs from what D holds (reasoning a
                                         template drops, drift, re-serialised tool calls, edits) and the
                                         presets built on it
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from sim.rng import stream
+from sim.engine.rng import stream
 from sim.workload import agentic, history, mooncake, synthetic, vllm_multi_turn
 from sim.workload.distributions import Distribution, Empirical, parse_distribution
 from sim.workload.model import Conversation, Turn
@@ -58,11 +58,11 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
     keys override the same way. For ``mooncake``, give ``path`` and optionally ``min_parent_blocks``.
     For ``vllm_multi_turn``, give ``path`` (a ``generate_multi_turn.json``, read as is:
     :mod:`~sim.workload.vllm_multi_turn`) and optionally vLLM's client flags
-    (:class:`sim.bench_clients.VllmClientConfig`), which the run's client loop reads.
+    (:class:`sim.clients.bench.VllmClientConfig`), which the run's client loop reads.
     A distribution field may also be ``{kind = "mooncake_gaps", path = ...}``:
     gaps resampled from a trace. Unknown keys are errors that name the key.
 
-    Each subsystem gets its own stream from :func:`sim.rng.stream`, seeded by the string
+    Each subsystem gets its own stream from :func:`sim.engine.rng.stream`, seeded by the string
     ``"<seed>:<name>"`` (``random`` hashes str seeds with SHA-512, so they do not depend on
     PYTHONHASHSEED): ``workload`` (token counts), ``gaps`` (timing), ``trace-jitter`` (arrival jitter
     of a replayed trace), ``gap-trace-jitter`` (gaps resampled from a trace), ``history`` (the
@@ -112,7 +112,7 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
 
         return load_router_trace(_trace_path(spec, "workload"))
     if kind == VLLM_MULTI_TURN:
-        from sim.bench_clients import CONFIG_KEYS, config_from_workload
+        from sim.clients.bench import CONFIG_KEYS, config_from_workload
 
         from sim.workload.chat_template import DEFAULT_TEMPLATE, parse_template
 

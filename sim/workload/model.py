@@ -32,7 +32,7 @@ class Turn:
     arrival_s: float | None = None
     history_revision: int = 0
     # the model's output is a tool call: the client (an agent) runs the tool and sends the next turn itself,
-    # so it knows it will return; after a turn that answers the user it does not (sim/clients.py)
+    # so it knows it will return; after a turn that answers the user it does not (sim/clients/renewal.py)
     tool_call: bool = False
     # leading tokens of what D holds from the previous turn (its prompt + output - 1) that this prompt
     # shares; None: a faithful continuation (all of it, up to this prompt's length), or nothing when

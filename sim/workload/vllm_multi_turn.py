@@ -3,7 +3,7 @@
 Source read (vLLM main, https://github.com/vllm-project/vllm/tree/main/benchmarks/multi_turn):
 ``bench_dataset.py`` (https://github.com/vllm-project/vllm/blob/0fdcab7e1f5ca53acbf5a1a6d88268a73ee4429a/benchmarks/multi_turn/bench_dataset.py),
 ``generate_multi_turn.json`` and ``README.md`` there. The client loop that sends these conversations
-is :mod:`sim.bench_clients`.
+is :mod:`sim.clients.bench`.
 
 The file (``"filetype": "generate_conversations"``)::
 
@@ -61,7 +61,7 @@ re-encoding book text can differ. The simulator sends answers of exactly ``max_t
 see EOS); ``bidikv bench`` sends ``max_tokens`` only, as vLLM does, and builds the next prompt from
 the answer the server actually gave.
 
-Randomness: one stream (:func:`sim.rng.stream` ``"<seed>:workload"``) drawn in vLLM's order above,
+Randomness: one stream (:func:`sim.engine.rng.stream` ``"<seed>:workload"``) drawn in vLLM's order above,
 so the same file and seed give the same conversations in ``bidikv simulate`` and ``bidikv bench``.
 The numbers are not numpy's (numpy's generators are not reproduced), the distributions are.
 """

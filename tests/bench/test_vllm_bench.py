@@ -12,9 +12,9 @@ from sim.bench.cli import plan_from_args
 from sim.bench.config import BenchConfig
 from sim.bench.vllm_clients import run_vllm_bench
 from impl.cli import build_parser
-from sim.bench_clients import VllmClientConfig, config_from_workload
-from sim.cli import config_from_args
-from sim.runner import run_config
+from sim.clients.bench import VllmClientConfig, config_from_workload
+from sim.commands.simulate import config_from_args
+from sim.engine.runner import run_config
 from sim.workload import load_workload
 from sim.workload.model import Conversation, Turn
 from sim.workload.vllm_multi_turn import user_tokens
@@ -65,7 +65,7 @@ async def test_bench_sends_the_simulators_requests_in_the_simulators_order(tmp_p
     workload = {"kind": "vllm_multi_turn", "path": str(path), "max_active_conversations": 3, "early_stop": False}
     conversations = load_workload(workload, 11)
     client_config = config_from_workload(workload)
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
 
     sim_config = SimConfig(seed=11, num_clients=1)
     sim_config.workload = workload

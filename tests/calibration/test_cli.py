@@ -1,5 +1,5 @@
 """``bidikv calibrate`` / ``bidikv profile`` through argparse, as the top-level CLI registers them: with the
-simulator passed in (sim.calibration_cli), and without it (calibration.cli alone: the closed form)."""
+simulator passed in (sim.commands.calibrate), and without it (calibration.cli alone: the closed form)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 
 from calibration import cli
 from calibration.report import CLOSED_FORM, SIMULATOR, resolve_source
-from sim import calibration_cli  # what bidikv registers: calibration.cli with the simulator passed in
+from sim.commands import calibrate as calibration_cli  # what bidikv registers: calibration.cli with the simulator passed in
 from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
 
 RECORD_KEYS = {"model", "prompt_tokens", "metric", "mode", "measured_ms", "simulated_ms", "rel_error", "source"}
 
 
 def test_import_does_no_io_and_loads_nothing_heavy():
-    # sim.calibration_cli is what bidikv imports to register the commands: the simulator loads when one runs
-    code = ("import sys, calibration.cli, sim.calibration_cli; "
-            "assert not {'scipy', 'matplotlib', 'numpy', 'sim.published'} & set(sys.modules), sorted(sys.modules)")
+    # sim.commands.calibrate is what bidikv imports to register the commands: the simulator loads when one runs
+    code = ("import sys, calibration.cli, sim.commands.calibrate; "
+            "assert not {'scipy', 'matplotlib', 'numpy', 'sim.replay.published'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -61,11 +61,11 @@ def test_bidikv_calibrate_compares_with_the_simulator(capsys):
     assert calibration_cli.main(["calibrate", "--json"]) == 0
     out = capsys.readouterr()
     assert {r["source"] for r in json.loads(out.out)} == {SIMULATOR}
-    assert "source: simulator: sim.published.simulate_published_point (seed 0)" in out.err
+    assert "source: simulator: sim.replay.published.simulate_published_point (seed 0)" in out.err
 
 
 def test_calibrate_says_closed_form_when_the_simulator_does_not_import(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sim.published", None)  # importing it now raises ImportError
+    monkeypatch.setitem(sys.modules, "sim.replay.published", None)  # importing it now raises ImportError
     assert calibration_cli.main(["calibrate"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("source: closed form") and "not importable" in out
@@ -126,7 +126,7 @@ def test_leave_one_model_out_standalone(capsys):
     from calibration import loo
 
     assert loo.main(["--markdown"]) == 2  # python -m calibration.loo: no simulator
-    assert "python -m sim.calibration_cli loo" in capsys.readouterr().err
+    assert "python -m sim.commands.calibrate loo" in capsys.readouterr().err
     assert calibration_cli.main(["loo", "--markdown"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| trained on | predicted |") and "Llama-3.3-70B (TP4)" in out

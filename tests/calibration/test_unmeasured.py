@@ -19,7 +19,7 @@ from calibration.loo import DEFAULT_SOURCE, NO_FAMILY, ONE_FIT, WRONG_FAMILY, re
 from calibration.portable import DECODE, ENGINE, FAMILY, FIELD_KINDS, PHYSICS
 from calibration.profile import LatencyProfile
 from calibration.published import load_published
-from sim.published import simulate_heldout_benchmark  # the simulator, passed into calibration.loo
+from sim.replay.published import simulate_heldout_benchmark  # the simulator, passed into calibration.loo
 from tests.calibration.conftest import GLM5_FP8, QWEN3_32B
 
 BF16_MOE_GQA = {  # a kernel family neither measured model has (Qwen3-30B-A3B's shape)

@@ -13,7 +13,7 @@ import pytest
 
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
-from sim.validate import TurnComparison, bench_clients, conversations_from_bench, summarize, validate_run
+from sim.replay.validate import TurnComparison, bench_clients, conversations_from_bench, summarize, validate_run
 from calibration.bench_records import BenchRecord
 
 BASE = LatencyProfile.load("qwen3-32b@p5en-tp8")

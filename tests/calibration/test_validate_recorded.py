@@ -34,8 +34,8 @@ import pytest
 from calibration.bench_settings import settings_for
 from calibration.from_bench import fit_from_runs
 from calibration.profile import LatencyProfile
-from sim.validate import validate_run
-from sim.validate_cli import ranking
+from sim.replay.validate import validate_run
+from sim.commands.validate import ranking
 from calibration.bench_records import read_jsonl
 from impl.cli import main
 

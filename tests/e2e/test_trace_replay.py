@@ -43,8 +43,8 @@ def test_a_recorded_router_trace_replays_with_the_routers_decisions(e2e: E2E, tm
     finally:
         router.stop()  # SIGTERM: the router writes what is queued and exits
 
-    from sim.config import SimConfig
-    from sim.runner import run_config
+    from sim.engine.config import SimConfig
+    from sim.engine.runner import run_config
     from sim.workload import load_workload
     from sim.workload.router_trace import read_turns
 

@@ -24,7 +24,7 @@ def test_every_policy_picks_a_healthy_instance_or_none(instances, seed, prompt):
                           running_requests=st.integers(0, 50), used_blocks=st.integers(0, 100), total_blocks=st.just(100)),
        seed=st.integers(0, 2**32 - 1), prompt=st.integers(0, 5000), repeats=st.integers(1, 3))
 def test_a_pool_of_one_healthy_instance_is_picked_without_drawing_from_rng(instance, seed, prompt, repeats):
-    """What lets the simulator's router skip placement for a pool of one (sim/router.py): every policy
+    """What lets the simulator's router skip placement for a pool of one (sim/engine/router.py): every policy
     picks the instance, every time, and leaves ``rng`` as it was."""
     request = PlacementRequest(prompt, {instance.name: prompt // 2}, prompt // 3, prompt // 16)
     for policy in (RoundRobin(), LeastLoaded(), KVAwareCost()):

@@ -1,5 +1,5 @@
 """impl.policy.prefill_affinity: which P last prefilled a conversation, bounded. The router (impl/router/proxy.py)
-and the simulator's router (sim/router.py) both run it; checked here against the plainest reference: a list of
+and the simulator's router (sim/engine/router.py) both run it; checked here against the plainest reference: a list of
 (conversation, P, tokens) in serving order, the last ``max_entries`` distinct conversations remembered."""
 
 from __future__ import annotations

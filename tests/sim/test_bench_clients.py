@@ -1,4 +1,4 @@
-"""vLLM's multi-turn benchmark client loop (sim/bench_clients.py): the rule alone, under any timing
+"""vLLM's multi-turn benchmark client loop (sim/clients/bench.py): the rule alone, under any timing
 hypothesis picks, then inside the simulator.
 
 The timing-free driver below plays the part of the network: every idle client asks for its next
@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
-from sim.bench_clients import VllmClientConfig, client_limits, make_clients, start
-from sim.cluster import Cluster
-from sim.config import SimConfig
-from sim.runner import run_config
+from sim.clients.bench import VllmClientConfig, client_limits, make_clients, start
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
+from sim.engine.runner import run_config
 from sim.workload import load_workload
 from sim.workload.model import Conversation, Turn
 from tests.workload.test_vllm_multi_turn import EXAMPLE

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from impl.cli import main
-from sim.config import load_config
+from sim.engine.config import load_config
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -127,8 +127,8 @@ def test_simulate_and_tune_default_to_the_same_stated_workload():
     tune_defaults = run_cli("tune", "--help").stdout
     for text in (sim_defaults, tune_defaults):
         assert "200 conversations arriving as a Poisson stream at 0.05/s" in " ".join(text.split())
-    sim_cfg = __import__("sim.cli", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["simulate"]))
-    tune_cfg = __import__("sim.cli", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["tune"]))
+    sim_cfg = __import__("sim.commands.simulate", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["simulate"]))
+    tune_cfg = __import__("sim.commands.simulate", fromlist=["config_from_args"]).config_from_args(parser.parse_args(["tune"]))
     assert sim_cfg.workload == tune_cfg.workload == {"kind": "synthetic", "num_conversations": 200,
                                                      "arrival_rate_per_s": 0.05}
 
@@ -178,15 +178,15 @@ def test_out_that_is_a_file_fails_before_simulating(tmp_path):
 
 
 def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts(monkeypatch):
-    import sim.cli
+    import sim.commands.simulate
 
     # the machine's free memory is the one input this cannot choose: pretend it is 100 kB
-    monkeypatch.setattr(sim.cli, "available_memory_bytes", lambda: 100_000)
+    monkeypatch.setattr(sim.commands.simulate, "available_memory_bytes", lambda: 100_000)
     config = load_config(overrides={"workload": {"kind": "synthetic", "num_conversations": 50}})
     with pytest.raises(ValueError, match=r"turns need about .* GB for their records, more than the 0.0 GB available"):
-        sim.cli.load_conversations(config)
-    monkeypatch.setattr(sim.cli, "available_memory_bytes", lambda: None)  # unknown: no refusal
-    assert len(sim.cli.load_conversations(config)) == 50
+        sim.commands.simulate.load_conversations(config)
+    monkeypatch.setattr(sim.commands.simulate, "available_memory_bytes", lambda: None)  # unknown: no refusal
+    assert len(sim.commands.simulate.load_conversations(config)) == 50
 
 
 @pytest.mark.extra("parquet")
@@ -212,12 +212,12 @@ def test_parquet_records_hold_what_records_csv_holds(tmp_path):
 
 @pytest.mark.extra("parquet")  # with pyarrow, a missing --out is the first thing said
 def test_parquet_without_pyarrow_or_out_fails_before_simulating(tmp_path, monkeypatch, capsys):
-    import sim.runner
+    import sim.engine.runner
 
     def no_run(*_a, **_k):
         raise AssertionError("simulated before refusing the flags")
 
-    monkeypatch.setattr(sim.runner, "run_config", no_run)
+    monkeypatch.setattr(sim.engine.runner, "run_config", no_run)
     assert main(["simulate", "--conversations", "3", "--parquet"]) == 2
     assert "--parquet writes records.parquet into --out" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without pyarrow imports

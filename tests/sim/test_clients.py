@@ -1,4 +1,4 @@
-"""Client lease-renewal behaviours (sim/clients.py) against what each one promises."""
+"""Client lease-renewal behaviours (sim/clients/renewal.py) against what each one promises."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from calibration.profile import LatencyProfile
 from impl.cli import main
-from sim.cluster import Cluster
-from sim.clients import ClientRenewal
-from sim.config import ClientConfig, SimConfig
+from sim.engine.cluster import Cluster
+from sim.clients.renewal import ClientRenewal
+from sim.engine.config import ClientConfig, SimConfig
 from sim.workload import load_workload
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")

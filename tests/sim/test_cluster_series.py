@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sim.cluster import simulate
-from sim.config import SimConfig
+from sim.engine.cluster import simulate
+from sim.engine.config import SimConfig
 from sim.workload import load_workload
 
 

@@ -1,4 +1,4 @@
-"""The decode node's running figures (sim.decode): the batch's context, the blocks its next steps add and
+"""The decode node's running figures (sim.engine.decode): the batch's context, the blocks its next steps add and
 what a leaving sequence holds, against the same figures counted sequence by sequence."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import simpy
 from hypothesis import given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
-from sim.decode import DecodeNode, _Seq
+from sim.engine.decode import DecodeNode, _Seq
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")
 BS = PROFILE.block_size

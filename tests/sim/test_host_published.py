@@ -1,4 +1,4 @@
-"""llm-d's published GLM-5.2-FP8 host-tier pull vs recompute, through the simulator (sim.host_published),
+"""llm-d's published GLM-5.2-FP8 host-tier pull vs recompute, through the simulator (sim.replay.host_published),
 with the profile ``bidikv profile`` builds: every point within 15 % but the report's non-monotone one,
 the crossover and the first pull of a new pair within 15 %."""
 
@@ -11,7 +11,7 @@ import pytest
 from calibration.profile import LatencyProfile
 
 from calibration.host_tier import PUBLISHED, host_tier_cost, pull_turn_ttft_s, recompute_turn_ttft_s
-from sim.host_published import compare, glm_profile, main
+from sim.replay.host_published import compare, glm_profile, main
 
 TOLERANCE = 0.15
 # 2.51 s at 34,214 tokens sits between 1.80 s (21,617) and 1.98 s (48,109): single rep, no pull model

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
-from sim.host_tier import HostCache
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
+from sim.engine.host_tier import HostCache
 from sim.workload.model import Conversation, Turn
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")

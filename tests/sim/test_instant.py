@@ -1,4 +1,4 @@
-"""sim.instant's queue entries keep simpy's order: a callback put on the queue with ``after`` or
+"""sim.engine.instant's queue entries keep simpy's order: a callback put on the queue with ``after`` or
 ``call_soon`` runs exactly where a Timeout or a process started at that moment would."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from sim.instant import after, call_soon, nothing_due_now, run, succeed_now
+from sim.engine.instant import after, call_soon, nothing_due_now, run, succeed_now
 
 
 def test_after_runs_where_a_timeout_made_at_the_same_moment_runs():

@@ -1,4 +1,4 @@
-"""sim.interconnect: processor sharing of per-node NICs by KV transfers.
+"""sim.engine.interconnect: processor sharing of per-node NICs by KV transfers.
 
 The model: a transfer pays its fixed part, then moves its bytes at min(per-transfer cap, NIC capacity /
 the larger count of moving flows on its two NICs), rates changing only when a flow starts or ends.
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 
-from sim.interconnect import Interconnect
+from sim.engine.interconnect import Interconnect
 
 # NIC capacity 10 B/s, per-transfer cap 8 B/s: one flow alone moves at 8, two on a NIC at 5 each, three at 10/3
 CAPACITY, CAP = 10.0, 8.0

@@ -9,8 +9,8 @@ import math
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.workload.model import Conversation, Turn
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")
@@ -358,7 +358,7 @@ def test_infinite_ttl_threshold_zero_never_recomputes_more_than_ttl_zero(cfg, co
 @settings(max_examples=15, deadline=None)
 @given(cfg=configs(), convs=conversations())
 def test_same_config_and_seed_give_identical_records(cfg, convs, tmp_path_factory):
-    from sim.cli import write_outputs
+    from sim.commands.simulate import write_outputs
 
     outputs = []
     for _ in range(2):

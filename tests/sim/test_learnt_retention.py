@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from sim.config import SimConfig
-from sim.runner import run_config
+from sim.engine.config import SimConfig
+from sim.engine.runner import run_config
 
 
 def _run(**policy):

@@ -69,10 +69,10 @@ def test_an_edited_source_runs_instead_of_the_stale_build_with_a_warning(built, 
     router = root / "sim" / "router.py"
     original = router.read_bytes()
     router.write_bytes(original + b"\nEDITED_AFTER_THE_BUILD = True\n")
-    out = _run(root, "-c", "import sim.router, sim.decode; print(sim.router.EDITED_AFTER_THE_BUILD, "
-                           "sim.decode.__file__.endswith('.py'))")
+    out = _run(root, "-c", "import sim.engine.router, sim.engine.decode; print(sim.engine.router.EDITED_AFTER_THE_BUILD, "
+                           "sim.engine.decode.__file__.endswith('.py'))")
     assert out.stdout.split() == ["True", "True"]  # the edit runs, and every compiled module is the source's
-    assert "stale" in out.stderr and "sim/router.py" in out.stderr and "tools/build_native.py" in out.stderr
+    assert "stale" in out.stderr and "sim/engine/router.py" in out.stderr and "tools/build_native.py" in out.stderr
     assert "stale" in _run(root, "tools/build_native.py", "--status").stdout
     # the stamp is of the sources' bytes, not their times: the same bytes again, the build runs again
     router.write_bytes(original)
@@ -113,7 +113,7 @@ def test_a_source_mypyc_rejects_fails_the_build_naming_it_and_leaves_the_sources
     router.write_text(router.read_text() + "\nNOT_AN_INT: int = 'a string'\n")
     out = _run(root, "tools/build_native.py", check=False)
     assert out.returncode != 0
-    assert "the build failed" in out.stderr and "sim/router.py" in out.stderr and "NOT_AN_INT" not in out.stdout
+    assert "the build failed" in out.stderr and "sim/engine/router.py" in out.stderr and "NOT_AN_INT" not in out.stdout
     assert not list((root / "sim").glob("*.so")) and not (root / "sim" / "_native.json").exists()
     out = _run(root, "-c", WHICH)
     assert out.stdout.strip() == "pure Python" and out.stderr == ""

@@ -1,6 +1,6 @@
 """A run frees what each turn allocates by reference counting: no reference cycle per turn.
 
-Cluster.run turns the cyclic GC off while it runs (sim.cluster.without_cyclic_gc), which is safe only while
+Cluster.run turns the cyclic GC off while it runs (sim.engine.cluster.without_cyclic_gc), which is safe only while
 turns leave no cycles behind; a flow and its end timer once pointed at each other and kept every
 turn's callbacks, records and flows alive until a full collection (351k objects per 10k turns).
 """
@@ -12,8 +12,8 @@ import gc
 import pytest
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.workload import load_workload
 
 

@@ -8,7 +8,7 @@ import copy
 from hypothesis import given, strategies as st
 
 from impl.policy import InstanceLoad, LeastLoaded, PlacementRequest
-from sim.cluster import Cluster
+from sim.engine.cluster import Cluster
 from tests.sim.test_invariants import PROFILE, SETTINGS, configs, conversations
 
 
@@ -59,7 +59,7 @@ def test_index_picks_what_a_full_poll_picks(cfg, convs, nodes):
 
 
 def test_ties_between_idle_nodes_are_drawn_from_the_placement_rng():
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
     from sim.workload.model import Conversation, Turn
 
     cfg = SimConfig(seed=1)
@@ -77,7 +77,7 @@ def test_ties_between_idle_nodes_are_drawn_from_the_placement_rng():
 def test_index_follows_admissions_of_turns_that_waited_for_blocks():
     """Small decode pools: turns wait for blocks and are admitted as finishes free some (admission
     changes D's load; admissions after a read ends are too rare here to count on)."""
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
     from sim.workload import load_workload
 
     cfg = SimConfig(seed=3)

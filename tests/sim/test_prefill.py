@@ -6,9 +6,9 @@ from __future__ import annotations
 import simpy
 
 from impl.policy import FixedThreshold
-from sim.instant import after
-from sim.prefill import PrefillNode
-from sim.records import TurnRecord
+from sim.engine.instant import after
+from sim.engine.prefill import PrefillNode
+from sim.engine.records import TurnRecord
 
 PULL_S, OVERHEAD_S = 0.5, 0.25
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig, load_config
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig, load_config
 from sim.workload.model import Conversation, Turn
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.published import NUM_CONVERSATIONS, published_conversations
+from sim.replay.published import NUM_CONVERSATIONS, published_conversations
 
 
 @pytest.mark.parametrize("target", [2000, 20000, 24000])
@@ -26,11 +26,11 @@ def test_too_short_a_target_is_refused():
 
 
 def test_eighteen_of_the_twenty_published_figures_are_within_3_percent_through_the_simulator():
-    """The README's claim, through the simulator (sim.published, contention and all), not the closed form."""
+    """The README's claim, through the simulator (sim.replay.published, contention and all), not the closed form."""
     from calibration.cli import _profiles
     from calibration.published import load_published
     from calibration.report import SIMULATOR, records, resolve_source
-    from sim.published import simulate_published_point
+    from sim.replay.published import simulate_published_point
 
     source = resolve_source("sim", simulator=simulate_published_point)
     recs = records(_profiles(refit=False), load_published(), source)

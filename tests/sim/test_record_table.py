@@ -1,4 +1,4 @@
-"""sim.records.RecordTable: what it gives back is what a plain list of the records would have held.
+"""sim.engine.records.RecordTable: what it gives back is what a plain list of the records would have held.
 
 Records are compared by the repr of their field tuples, so a dropped, reordered or retyped field shows
 (NaN equals itself there, -0.0 differs from 0.0, the int 0 from 0.0 and True from 1)."""
@@ -12,9 +12,9 @@ import math
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from sim import cluster as cluster_module
-from sim.cluster import Cluster
-from sim.records import RECORD_FIELDS, RecordTable, TurnRecord, fields_of, summarize
+from sim.engine import cluster as cluster_module
+from sim.engine.cluster import Cluster
+from sim.engine.records import RECORD_FIELDS, RecordTable, TurnRecord, fields_of, summarize
 from tests.sim.test_invariants import PROFILE, configs, conversations
 
 FIELDS = dataclasses.fields(TurnRecord)

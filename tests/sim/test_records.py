@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sim.records import NodeTotals, TurnRecord, bucket_label, summarize
+from sim.engine.records import NodeTotals, TurnRecord, bucket_label, summarize
 
 
 @pytest.mark.parametrize("tokens, label", [

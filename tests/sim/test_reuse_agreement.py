@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
 from impl.policy.prefix_check import chain_block_hashes, publish, scheme_tag, verify_prefix
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.workload import load_workload
 from sim.workload.model import Conversation, Turn
 

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.workload.model import Conversation, Turn
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")

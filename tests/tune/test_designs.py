@@ -130,7 +130,7 @@ def test_tune_designs_rejects_an_unknown_design_in_one_line():
     {"retention": "ttl", "decoder_kv_blocks_ttl": 240.0, "prefill_on_d": "isl_or_load"},
 ])
 def test_give_back_runs_its_pinned_twins_simulation_exactly_when_the_pinned_run_stays_above_the_watermark(policy):
-    from sim.config import SimConfig
+    from sim.engine.config import SimConfig
     from sim.tune.evaluate import evaluate
 
     for blocks, idle in ((0, True), (3_000, False)):  # the profile's pool, then one that runs short

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calibration.profile import LatencyProfile
-from sim.config import SimConfig
+from sim.engine.config import SimConfig
 from sim.tune.evaluate import evaluate
 from sim.tune.grid import REFERENCES, build_grid
 from sim.tune.narrow import EXACT_KEYS

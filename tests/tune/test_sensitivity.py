@@ -7,7 +7,7 @@ import json
 import pytest
 
 from impl.cli import main
-from sim.config import RENEWAL_BEHAVIOURS, SimConfig
+from sim.engine.config import RENEWAL_BEHAVIOURS, SimConfig
 from sim.tune.executor import run_points
 from sim.tune.grid import REFERENCES, Candidate, build_grid
 from sim.tune.sensitivity import UNSTATED, sensitivity_rows, tune_across_behaviours, worst_case

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.tune.executor import run_points
 from sim.tune.frontier import analyse
 from sim.tune.grid import REFERENCES, Candidate, build_grid

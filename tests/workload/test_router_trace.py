@@ -9,8 +9,8 @@ import json
 import pytest
 
 from impl.trace.format import TraceError
-from sim.config import SimConfig
-from sim.runner import run_config
+from sim.engine.config import SimConfig
+from sim.engine.runner import run_config
 from sim.workload import load_workload
 from sim.workload.router_trace import RouterTraceSummary, is_router_trace, load_router_trace, read_turns
 from tests.router.harness import Deployment

@@ -1,4 +1,4 @@
-"""``bidikv validate``: flags and output only (argparse at import; the work is in sim.validate)."""
+"""``bidikv validate``: flags and output only (argparse at import; the work is in sim.replay.validate)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from calibration.cli import fit_summary
     from calibration.from_bench import fit_from_runs
     from calibration.profile import LatencyProfile
-    from sim.validate import format_summary, validate_run
+    from sim.replay.validate import format_summary, validate_run
     if args.bucket_tokens < 1:
         raise ValueError("--bucket-tokens must be >= 1")
     out: dict[str, Any] = {}

@@ -6,7 +6,7 @@ running its callbacks right away is the same order of everything, minus one heap
 per simulated turn). Only safe as the last thing an event *callback* does (a timer's): from process
 code the resumed process would run inside the caller's generator, before the caller's next yield.
 
-The same rule one step further (``sim.prefill._Turn.pulled``): a timer set as the very last thing
+The same rule one step further (``sim.engine.prefill._Turn.pulled``): a timer set as the very last thing
 an event's processing does, when no queued entry comes before its time, is the entry the queue pops
 next; moving the clock there and running its callback on the spot is the same order of everything
 (the entry's sequence number is not drawn, and numbers only order entries among themselves; ``run``'s

@@ -4,7 +4,7 @@ what D's steps cost while they carry a suffix.
 The router sends a later turn to the D that holds its conversation when the policy says so; D then takes
 the prompt's leading blocks from what it still holds (retained, or in its prefix cache after a give-back
 or an expiry, as vLLM's hash-keyed cache would: only up to the first token that differs, nothing across a
-rewritten history) and computes the rest in its own steps (sim.decode). What the router knows is what a
+rewritten history) and computes the rest in its own steps (sim.engine.decode). What the router knows is what a
 real one knows: its store's entry (D, tokens held, expiry), the expiry of the entry it last stored for the
 conversation (how long ago the hold lapsed), D's running sequences and blocks, the suffix work it already
 sent D, P's queued prefill tokens. It never reads D's pool or cache.
@@ -14,7 +14,7 @@ and the chunk in one forward pass (decode requests are scheduled first, the chun
 ``max_num_batched_tokens``: ``vllm/v1/core/sched/scheduler.py``, running requests before waiting ones).
 Modelled as D's decode step plus the chunk's marginal prefill work as P would price it (the profile's
 linear and attention terms, without P's per-forward fixed cost, which D's decode step already pays:
-:func:`sim.decode.chunk_work_s`): an assumption, not a measurement; nothing about mixed steps is published
+:func:`sim.engine.decode.chunk_work_s`): an assumption, not a measurement; nothing about mixed steps is published
 for these models.
 """
 
@@ -26,9 +26,9 @@ from impl.policy.prefill_on_d import HoldState, PrefillOnD, TurnPath, TurnSignal
 from impl.policy.store import usable_until
 
 if TYPE_CHECKING:
-    from sim.decode import DecodeNode
-    from sim.prefill import PrefillNode
-    from sim.records import TurnRecord
+    from sim.engine.decode import DecodeNode
+    from sim.engine.prefill import PrefillNode
+    from sim.engine.records import TurnRecord
 
 PREFILL_ON_D = TurnPath.PREFILL_ON_D.value  # what a record's ``decision`` says of a turn served on D
 

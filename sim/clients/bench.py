@@ -46,7 +46,7 @@ from sim.workload.model import Conversation, Lineage
 if TYPE_CHECKING:
     import simpy
 
-    from sim.cluster import Cluster
+    from sim.engine.cluster import Cluster
 
 
 def _f(default: Any, help: str) -> Any:
@@ -217,7 +217,7 @@ class VllmClient:
 def make_clients(config: VllmClientConfig, num_clients: int, conversations: Sequence[Conversation],
                  seed: int) -> list[VllmClient]:
     """The clients of one run over one shared queue; client i's sleeps use stream ``vllm-client:<i>``."""
-    from sim.rng import stream
+    from sim.engine.rng import stream
 
     limits = client_limits(config, num_clients, len(conversations))
     queue = SharedQueue(conversations, limits.early_stop)

@@ -10,7 +10,7 @@ To read a figure "at prompt length L", each conversation is built so that one of
 (turn >= 1, so the ON path pulls) has exactly L prompt tokens; its per-conversation prefix is the
 remainder, kept within [0, 10,000] like the benchmark's. The figure is the median over those turns.
 
-Calibration does not import the simulator: these two runs are passed into it (``sim.calibration_cli``),
+Calibration does not import the simulator: these two runs are passed into it (``sim.commands.calibrate``),
 :func:`simulate_published_point` for ``bidikv calibrate``'s simulated column and
 :func:`simulate_heldout_benchmark` for the model no fit has seen (calibration.heldout).
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 from calibration.heldout import ACTIVE_CONVERSATIONS, BENCH_CONFIG
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
-from sim.rng import stream
-from sim.runner import run_config
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
+from sim.engine.rng import stream
+from sim.engine.runner import run_config
 from sim.workload.model import Conversation, Turn
 
 COMMON_PREFIX_TOKENS = 500

@@ -3,10 +3,10 @@
 Given the JSONL of a ``bidikv bench`` run against a deployment (and the deployment's settings,
 :mod:`calibration.bench_settings`) and a profile (fitted with :mod:`calibration.from_bench` on the same
 or, for a held-out check, on *other* runs), the same conversations are replayed through the
-simulator's :class:`sim.cluster.Cluster`: the same prompt and output lengths, each conversation from
+simulator's :class:`sim.engine.cluster.Cluster`: the same prompt and output lengths, each conversation from
 its recorded start, each later turn after the think time the client really slept
 (:func:`conversations_from_bench`), one P and one D, the deployment's threshold, TTL and expiry margin, the fitted
-host contention (:mod:`sim.contention`). Then per turn:
+host contention (:mod:`sim.engine.contention`). Then per turn:
 
 * the reuse decision (:func:`classify`, one rule applied to what the real and the simulated router and
   P reported): ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (offered enough,
@@ -31,10 +31,10 @@ from typing import Any, Sequence
 from calibration.bench_settings import DeploymentSettings
 from calibration.profile import LatencyProfile
 from calibration.bench_records import BenchRecord
-from sim.cluster import Cluster
-from sim.config import SimConfig
-from sim.contention import HostContention, attach
-from sim.records import TurnRecord, percentile
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
+from sim.engine.contention import HostContention, attach
+from sim.engine.records import TurnRecord, percentile
 from sim.workload.model import Conversation, Turn
 
 @dataclass(frozen=True, slots=True)

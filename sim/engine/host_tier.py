@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.host_tier import HostPullBreakEven, HostPullMinimum, HostTierSettings
-from sim.instant import after
+from sim.engine.instant import after
 
 if TYPE_CHECKING:
     from calibration.host_tier import HostTierCost
-    from sim.decode import DecodeNode, _Seq
+    from sim.engine.decode import DecodeNode, _Seq
     from sim.workload.model import Lineage
 
-# sim.prefill's node and turn (PrefillNode, _Turn): named as Any, since sim.prefill imports this module
+# sim.engine.prefill's node and turn (PrefillNode, _Turn): named as Any, since sim.engine.prefill imports this module
 PrefillNode = _Turn = Any
 
 _DECODE_TO_PREFILL = TransferPath.DECODE_TO_PREFILL
@@ -379,7 +379,7 @@ def host_summary(tier: HostTier, end: float) -> dict[str, Any]:
 
 
 def build_host_tier(env: Any, policy: Any, profile: Any) -> HostTier:
-    """The host tier a config's policy section asks for (``policy``: sim.config.PolicyConfig)."""
+    """The host tier a config's policy section asks for (``policy``: sim.engine.config.PolicyConfig)."""
     from calibration.host_tier import default_cpu_bytes, host_tier_cost
 
     settings = HostTierSettings(policy.cpu_bytes_to_use or default_cpu_bytes(profile), policy.eviction_policy,

@@ -1,6 +1,6 @@
 """One conversation's client, closed loop, as callbacks: a turn is released a think/tool gap after the
 previous one completed (or at its trace arrival time, if later). Under a heartbeat lease the client
-heartbeats after a turn for as long as its renewal behaviour says (:mod:`sim.clients`).
+heartbeats after a turn for as long as its renewal behaviour says (:mod:`sim.clients.renewal`).
 
 Callbacks rather than a simpy process per conversation: the client acts at the same events a process
 would resume at (the first arrival, each turn's end, each gap's and heartbeat's timer), in the same
@@ -16,13 +16,13 @@ from typing import Any, Callable, Protocol, Sequence
 import simpy
 from simpy.events import NORMAL
 
-from sim.clients import ClientRenewal
-from sim.instant import Timer, after, call_soon
+from sim.clients.renewal import ClientRenewal
+from sim.engine.instant import Timer, after, call_soon
 from sim.workload.model import Conversation, Lineage
 
 
 class ClientHost(Protocol):
-    """What a client uses of :class:`sim.cluster.Cluster` (which starts the clients, so it imports this
+    """What a client uses of :class:`sim.engine.cluster.Cluster` (which starts the clients, so it imports this
     module, never the other way)."""
 
     env: simpy.Environment

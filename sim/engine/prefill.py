@@ -19,15 +19,15 @@ import simpy
 
 from impl.policy import PullCandidate, TransferPath
 from impl.policy.prefix_check import verified_tokens_model
-from sim.host_tier import HostSource
-from sim.instant import after, at, nothing_due_now
-from sim.interconnect import Interconnect
+from sim.engine.host_tier import HostSource
+from sim.engine.instant import after, at, nothing_due_now
+from sim.engine.interconnect import Interconnect
 
 if TYPE_CHECKING:
     from calibration.profile import LatencyProfile
-    from sim.decode import DecodeNode
-    from sim.host_tier import HostTier
-    from sim.records import TurnRecord
+    from sim.engine.decode import DecodeNode
+    from sim.engine.host_tier import HostTier
+    from sim.engine.records import TurnRecord
     from sim.workload.model import Lineage
 
 SHARED_PREFIX_KEY = ("", "__shared_prefix__")
@@ -124,7 +124,7 @@ class _Turn:
             when = env._now + overhead
             queue = env._queue
             # from the pull's end event (start ends an empty pull inline, elapsed 0) this is its last action:
-            # with nothing queued before the overhead's end, its timer would be popped next (sim.instant)
+            # with nothing queued before the overhead's end, its timer would be popped next (sim.engine.instant)
             if elapsed > 0 and (not queue or queue[0][0] > when):
                 env._now = when
                 self.overhead_paid(None)
@@ -170,7 +170,7 @@ class PrefillNode:
         # D's block ids, queues an empty read whose notification frees them (nixl/pull_scheduler.py,
         # update_state_after_alloc); set by the cluster from PolicyConfig.decline_frees_d
         self.decline_frees_d = False
-        self.host: HostTier | None = None  # sim.host_tier's, set by the cluster when the host tier is on
+        self.host: HostTier | None = None  # sim.engine.host_tier's, set by the cluster when the host tier is on
 
     # -- one turn -----------------------------------------------------------------------------
     def serve(self, rec: "TurnRecord", conv_key: Any, revision: int, shared_prefix_tokens: int,
@@ -178,7 +178,7 @@ class PrefillNode:
               on_done: Callable[[], None]) -> None:
         """Prefill ``rec``'s prompt, pulling the verified part of what ``remote`` = (D, tokens held, turn
         held, that turn's prompt tokens) holds if worth it, or what D's host tier holds when ``remote`` is a
-        :class:`sim.host_tier.HostSource`; ``on_done()`` runs from the event that ends the
+        :class:`sim.engine.host_tier.HostSource`; ``on_done()`` runs from the event that ends the
         prefill. ``lineage``: what the prompt shares with earlier turns (None: every turn continues the
         last faithfully)."""
         profile = self.profile

@@ -25,7 +25,7 @@ from typing import Callable
 
 import simpy
 
-from sim.instant import Timer, after, at, nothing_due_now
+from sim.engine.instant import Timer, after, at, nothing_due_now
 
 # a flow is done when what is left would take under a nanosecond (float residue of re-rating)
 _DONE_WITHIN_S = 1e-9

@@ -7,7 +7,7 @@
      "runs": {"on": SUMMARY, "off": SUMMARY},   # only the modes that ran ("on" and/or "off")
      "warnings": [str, ...]}
 
-SUMMARY is :func:`sim.records.summarize`'s dict, except that ``ttft_by_prompt_bucket`` is replaced by
+SUMMARY is :func:`sim.engine.records.summarize`'s dict, except that ``ttft_by_prompt_bucket`` is replaced by
 ``prompt_buckets``: a list in increasing prompt length, one entry per bucket that has turns, with
 ``bucket`` ("4-8k"), ``min_tokens``, ``max_tokens`` (null for the last, open bucket), ``turns``,
 ``first_turns`` and ``later_turns`` (TTFT distributions: ``n``, ``p50_ms``, ``p90_ms``, ``p99_ms``,
@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 
 from impl.old_flags import add_refused_flags
 from impl.policy import catalogue
-from sim.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
-from sim.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, distribution, fields_of, percentile
+from sim.engine.config import ClientConfig, PolicyConfig, SimConfig, TopologyConfig, load_config
+from sim.engine.records import PROMPT_BUCKETS, RECORD_FIELDS, bucket_label, distribution, fields_of, percentile
 from sim.workload import WORKLOAD_HELP, WORKLOAD_KINDS
 
 _SECTIONS = (("topology", TopologyConfig), ("policy", PolicyConfig), ("clients", ClientConfig))
@@ -124,7 +124,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's multi-turn benchmark: its JSON config and its client flags, under vLLM's names (shared with
     ``bidikv bench``, so both describe the same run)."""
-    from sim.bench_clients import VllmClientConfig
+    from sim.clients.bench import VllmClientConfig
 
     group = parser.add_argument_group("vLLM multi-turn benchmark (benchmarks/multi_turn in vLLM)")
     group.add_argument("--vllm-multi-turn-config", default=None, metavar="JSON",
@@ -308,7 +308,7 @@ def available_memory_bytes() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.runner import run_config  # heavy imports only when simulating
+    from sim.engine.runner import run_config  # heavy imports only when simulating
 
     config = config_from_args(args)
     if args.parquet:

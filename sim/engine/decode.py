@@ -63,9 +63,9 @@ import simpy
 from impl.policy import GiveBack, GiveBackLedger, RetainedPool
 from impl.policy.catalogue import SIM, UNDER_PRESSURE
 from impl.policy.store import usable_until
-from sim.instant import after
-from sim.interconnect import Interconnect
-from sim.records import NodeTotals, TurnRecord
+from sim.engine.instant import after
+from sim.engine.interconnect import Interconnect
+from sim.engine.records import NodeTotals, TurnRecord
 
 if TYPE_CHECKING:
     from calibration.profile import LatencyProfile
@@ -100,7 +100,7 @@ class _Seq:
 
 
 def chunk_work_s(profile: "LatencyProfile", tokens: int, context: int) -> float:
-    """A suffix chunk's share of a D step (prefill on D, sim.prefill_on_d): its prefill work without the
+    """A suffix chunk's share of a D step (prefill on D, sim.engine.prefill_on_d): its prefill work without the
     per-forward fixed cost, which the decode step already pays."""
     return profile.compute_s(tokens, context) - profile.prefill_fixed_s
 
@@ -183,7 +183,7 @@ class DecodeNode:
         # cut it short)
         self._segment: tuple[float, float, int, float, float] = (0.0, 0.0, 0, 0.0, 0.0)
         self._segment_crossings = 0
-        self._segment_timer: Any = None  # sim.instant's queue entry
+        self._segment_timer: Any = None  # sim.engine.instant's queue entry
         self._end_steps = 0
         self._retained_clock = 0.0
         # at or before every retained expiry (the earliest, unless that holder left since): until then
@@ -193,7 +193,7 @@ class DecodeNode:
         self._idle_wake, self._segment_wake = self._run, self._on_segment_wake
         # what ends a step at its boundary: _end_segment, or _end_chunk_step while it carries suffix chunks
         self._at_boundary: Callable[[object], None] = self._end_segment
-        # prefill on D (sim.prefill_on_d): turns admitted to compute their suffix here, oldest first; the
+        # prefill on D (sim.engine.prefill_on_d): turns admitted to compute their suffix here, oldest first; the
         # chunks the step in flight carries; the suffix tokens not yet computed (the router reads them);
         # the token budget of a step (vLLM's max_num_batched_tokens; set by the cluster)
         self._prefilling: collections.deque[_Seq] = collections.deque()
@@ -605,7 +605,7 @@ class DecodeNode:
 
     def _join(self, seq: _Seq) -> None:
         """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
-        prefill through the router), so the wake may be processed on the spot (sim.instant)."""
+        prefill through the router), so the wake may be processed on the spot (sim.engine.instant)."""
         self._joining.append(seq)
         armed = self._armed
         if armed is not None:
@@ -615,7 +615,7 @@ class DecodeNode:
                 timer.callbacks = []
             queue = self.env._queue
             if not queue or queue[0][0] > self.env._now:
-                armed(None)  # sim.instant.succeed_now's case: nothing else is due now
+                armed(None)  # sim.engine.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
 
@@ -629,11 +629,11 @@ class DecodeNode:
                 timer.callbacks = []
             queue = self.env._queue
             if not queue or queue[0][0] > self.env._now:
-                armed(None)  # sim.instant.succeed_now's case: nothing else is due now
+                armed(None)  # sim.engine.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
 
-    # -- prefill on D (sim.prefill_on_d) ---------------------------------------------------------
+    # -- prefill on D (sim.engine.prefill_on_d) ---------------------------------------------------------
     def _prefill_here(self, seq: _Seq, suffix: int) -> None:
         """``seq`` has its blocks (its held prefix reused): D computes the other ``suffix`` tokens in the
         chunks of its next steps, then the sequence joins the batch."""
@@ -820,7 +820,7 @@ class DecodeNode:
         env = self.env
         now = env._now
         if event is self._segment_timer:
-            # the timer triggers the wake: processed now if nothing else is due now (sim.instant), else
+            # the timer triggers the wake: processed now if nothing else is due now (sim.engine.instant), else
             # queued where the wake event's succeed() put it
             self._armed = None
             queue = env._queue
@@ -850,7 +850,7 @@ class DecodeNode:
                 queue = env._queue
                 # a rest that rounds away on the clock (the segment's own timer, with t a rounding short
                 # of segment_s) while nothing else is due now ends the segment here, where its timer's
-                # entry would be processed next (sim.instant)
+                # entry would be processed next (sim.engine.instant)
                 if now + rest > now or (queue and queue[0][0] <= now):
                     after(env, rest, self._at_boundary)
                     return
@@ -861,7 +861,7 @@ class DecodeNode:
     def _end_segment(self, _timer: object) -> None:
         """The running batch took ``_end_steps`` steps of its segment: all of them (it holds just the blocks
         it reserved), or fewer (it returns the blocks of the steps it did not take). Called last in an
-        event's callbacks (sim.instant)."""
+        event's callbacks (sim.engine.instant)."""
         k = self._end_steps
         steps = self._steps
         if k != self._segment[2]:  # the blocks of the steps not taken go back
@@ -932,7 +932,7 @@ class DecodeNode:
     def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
         """Finish every sequence that is done. With ``defer``, a single finished sequence whose done
         event would be the next one processed (nothing else due now) is returned instead of queued:
-        the caller processes it after everything it still does at this instant (sim.instant)."""
+        the caller processes it after everything it still does at this instant (sim.engine.instant)."""
         steps, done_at, running = self._steps, self._done_at, self.running
         finished = []
         while done_at and done_at[0][0] <= steps:

@@ -1,10 +1,10 @@
 """Wire a cluster (XpYd) from a config and a profile, drive it with conversations, collect results.
 
 This is the only module that builds things; the event loop is simpy's queue, stepped by
-:func:`sim.instant.run`. Clients are closed loop per conversation (:mod:`sim.conversation_client`): a
+:func:`sim.engine.instant.run`. Clients are closed loop per conversation (:mod:`sim.clients.conversation`): a
 turn is released a think/tool gap after the previous one completed (or at its trace arrival time, if
 later). Under a heartbeat lease a client heartbeats after a turn for as long as its renewal behaviour
-says (:mod:`sim.clients`: while the session is open, while a tool call runs, never, or the clairvoyant
+says (:mod:`sim.clients.renewal`: while the session is open, while a tool call runs, never, or the clairvoyant
 "until the next turn").
 """
 
@@ -21,20 +21,20 @@ import simpy
 
 from calibration.profile import LatencyProfile
 from impl.policy import ConversationStore
-from sim.clients import ClientRenewal
-from sim.conversation_client import Arrivals, ConversationClient
-from sim.config import SimConfig
-from sim.decode import DecodeNode
-from sim.host_tier import HostTier, build_host_tier, host_summary
-from sim.instant import after, call_soon, process_now, run
-from sim.interconnect import Interconnect
-from sim.learnt import LearntHolds
-from sim.oracle import OracleRetention
-from sim.prefill import PrefillNode
-from sim.prefill_on_d import PrefillOnDRouting
-from sim.records import RecordTable, TurnRecord, fields_of, summarize
-from sim.rng import stream
-from sim.router import Router
+from sim.clients.renewal import ClientRenewal
+from sim.clients.conversation import Arrivals, ConversationClient
+from sim.engine.config import SimConfig
+from sim.engine.decode import DecodeNode
+from sim.engine.host_tier import HostTier, build_host_tier, host_summary
+from sim.engine.instant import after, call_soon, process_now, run
+from sim.engine.interconnect import Interconnect
+from sim.engine.learnt import LearntHolds
+from sim.engine.oracle import OracleRetention
+from sim.engine.prefill import PrefillNode
+from sim.engine.prefill_on_d import PrefillOnDRouting
+from sim.engine.records import RecordTable, TurnRecord, fields_of, summarize
+from sim.engine.rng import stream
+from sim.engine.router import Router
 from sim.workload.model import Conversation, Lineage, agreement
 
 
@@ -169,7 +169,7 @@ class Cluster:
 
     def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
         """Send turn ``index`` of ``conv`` now and wait until it finishes: the hook for a client loop that
-        interleaves conversations (vLLM's benchmark clients, sim/bench_clients.py)."""
+        interleaves conversations (vLLM's benchmark clients, sim/clients/bench.py)."""
         finished = self.env.event()
         # processed on the spot: the turn's last event resumes this process, as when the turn was a generator
         rec = self.send_turn(conv, index, lineage, lambda: process_now(finished))

@@ -6,9 +6,9 @@ import math
 from typing import Callable, Sequence
 
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster, SimResult
-from sim.config import SimConfig
-from sim.records import fields_of
+from sim.engine.cluster import Cluster, SimResult
+from sim.engine.config import SimConfig
+from sim.engine.records import fields_of
 from sim.workload import VLLM_MULTI_TURN, load_workload
 from sim.workload.model import Conversation
 
@@ -46,10 +46,10 @@ def run_config(config: SimConfig, progress: bool = False, profile: LatencyProfil
 
 
 def vllm_clients(config: SimConfig) -> Callable[[Cluster, Sequence[Conversation]], int] | None:
-    """vLLM's benchmark client loop for a ``vllm_multi_turn`` workload (sim/bench_clients.py), else None."""
+    """vLLM's benchmark client loop for a ``vllm_multi_turn`` workload (sim/clients/bench.py), else None."""
     if config.workload.get("kind") != VLLM_MULTI_TURN:
         return None
-    from sim import bench_clients
+    from sim.clients import bench as bench_clients
 
     if config.policy.retention == "oracle":
         raise ValueError("config field policy.retention: oracle needs each next turn's arrival, which vLLM's client "

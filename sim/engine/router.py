@@ -19,9 +19,9 @@ from impl.policy.prefill_affinity import PrefillAffinity
 
 if TYPE_CHECKING:
     from sim.workload.model import Lineage
-    from sim.decode import DecodeNode, _Seq
-    from sim.prefill import PrefillNode
-    from sim.records import TurnRecord
+    from sim.engine.decode import DecodeNode, _Seq
+    from sim.engine.prefill import PrefillNode
+    from sim.engine.records import TurnRecord
 
 
 class SyntheticPrompt(NamedTuple):
@@ -58,8 +58,8 @@ class Router:
         self.prefix_caching = prefix_caching
         # which P last prefilled each conversation (what this router sent where: its own knowledge), bounded as the store
         self.affinity = PrefillAffinity(store.max_entries)
-        self.learnt: Any = None  # sim.learnt.LearntHolds under the learnt retention: it sees every arrival and finish
-        self.host: Any = None  # sim.host_tier.HostTier when the host tier is on: D's offloads, offered to P
+        self.learnt: Any = None  # sim.engine.learnt.LearntHolds under the learnt retention: it sees every arrival and finish
+        self.host: Any = None  # sim.engine.host_tier.HostTier when the host tier is on: D's offloads, offered to P
         self._last_finish: dict[Any, tuple[DecodeNode, float]] = {}  # (decode node, finish time) of the last turn
         self._p_snaps: list[InstanceLoad | None] = [None] * len(prefill)
         self._d_snaps: list[InstanceLoad | None] = []
@@ -67,7 +67,7 @@ class Router:
         # node without drawing from ``rng``, so the router neither asks the policy nor follows the load.
         self._sole_p: str | None = prefill[0].name if len(prefill) == 1 else None
         self._sole_d: str | None = None
-        self.on_d: Any = None  # sim.prefill_on_d.PrefillOnDRouting when prefill on D is on
+        self.on_d: Any = None  # sim.engine.prefill_on_d.PrefillOnDRouting when prefill on D is on
         # LeastLoaded's choice kept in an index updated from the nodes whose load changed since the last
         # pick (each node adds itself to its ``load_dirty`` set when it changes what placement reads)
         self._p_index: LeastLoadedIndex | None = None

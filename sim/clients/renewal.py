@@ -9,7 +9,7 @@ which D does not choose, and no real client knows whether its user will come bac
   lives: after every turn it renews for a *linger* time, whether or not a next turn comes (the user
   reads the answer, leaves the tab open, walks away). A next turn that arrives after the linger ended
   finds no renewal since then. The linger is lognormal between ``client_linger_p50_s`` and
-  ``client_linger_p90_s`` (an assumption, see :class:`sim.config.ClientConfig`).
+  ``client_linger_p90_s`` (an assumption, see :class:`sim.engine.config.ClientConfig`).
 * ``tool_calls`` -- an agent knows it will return while a tool call it made runs (it sends the next
   turn itself when the tool answers), and not after a turn that answers the user: it renews through a
   gap only after a turn whose output is a tool call (:attr:`sim.workload.model.Turn.tool_call`). On a
@@ -19,12 +19,12 @@ which D does not choose, and no real client knows whether its user will come bac
   the last one. That reads the future (the oracle's knowledge), so it is only a labelled upper bound.
 
 Each behaviour answers one question after a turn finishes: until when does the client renew? The
-cluster (:mod:`sim.cluster`) then heartbeats every ``heartbeat_interval_s`` from the finish while before
+cluster (:mod:`sim.engine.cluster`) then heartbeats every ``heartbeat_interval_s`` from the finish while before
 that time, before the next turn (which retains the blocks afresh) and within the lease's
 ``max_hold_s`` (the router answers ``renewed: false`` beyond it, so a client stops).
 
 Randomness: a turn's linger comes from its own stream ``client-linger:<tenant>:<conversation>:<turn>``
-(:func:`sim.rng.stream`), so every configuration of a sweep sees the same lingers whatever the timing
+(:func:`sim.engine.rng.stream`), so every configuration of a sweep sees the same lingers whatever the timing
 (common random numbers), and no existing stream is drawn from.
 """
 
@@ -33,13 +33,13 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from sim.rng import stream
+from sim.engine.rng import stream
 from sim.workload.distributions import Constant, Distribution, LogNormal
 from sim.workload.model import Conversation
 
 
 class ClientSettings(Protocol):
-    """What this module reads of :class:`sim.config.ClientConfig` (which validates through
+    """What this module reads of :class:`sim.engine.config.ClientConfig` (which validates through
     :func:`linger_distribution`, so the config imports this module, never the other way)."""
 
     client_renewal: str
@@ -65,7 +65,7 @@ def linger_distribution(config: ClientSettings) -> Distribution:
 
 
 class ClientRenewal:
-    """One behaviour of :data:`sim.config.RENEWAL_BEHAVIOURS`, answering :meth:`renew_until`."""
+    """One behaviour of :data:`sim.engine.config.RENEWAL_BEHAVIOURS`, answering :meth:`renew_until`."""
 
     def __init__(self, config: ClientSettings, seed: int) -> None:
         self.behaviour = config.client_renewal

@@ -1,6 +1,6 @@
 """Simulation configuration: dataclasses with the one source of defaults, loaded from TOML and flags.
 
-Each field's ``metadata["help"]`` is the CLI help text; :mod:`sim.cli` turns the fields into flags,
+Each field's ``metadata["help"]`` is the CLI help text; :mod:`sim.commands.simulate` turns the fields into flags,
 so nobody writes a default twice.
 """
 
@@ -117,7 +117,7 @@ class PolicyConfig:
 SIM_SETTINGS = tuple(s.name for s in catalogue.on(catalogue.SIM))
 
 
-# How simulated clients renew a heartbeat lease (sim/clients.py). Only the lease retention reads
+# How simulated clients renew a heartbeat lease (sim/clients/renewal.py). Only the lease retention reads
 # heartbeats, so under a TTL or gap-quantile retention these fields change nothing.
 RENEWAL_BEHAVIOURS = ("while_open", "tool_calls", "never", "until_next_turn")
 
@@ -206,7 +206,7 @@ class SimConfig:
             p.prefill_on_d_policy()
         except SettingError as exc:
             raise ValueError(f"config field policy (prefill on D): {exc}") from None
-        from sim.clients import linger_distribution
+        from sim.clients.renewal import linger_distribution
 
         linger_distribution(self.clients)  # names the field it rejects
         return self

@@ -7,7 +7,7 @@ the model (:func:`glm_profile`), the host tier alone as llm-d deploys it (no HBM
 each finished turn), the ``glm-5.2-wide-ep`` pull fit, P's default 8,192-token budget. The source is D
 (it served the prefix), the consumer P; a warm-up conversation opens the (P, D) session first.
 
-``python -m sim.host_published`` prints the table, the crossover and the first pull.
+``python -m sim.replay.host_published`` prints the table, the crossover and the first pull.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from calibration.host_tier import (FIT_OUTPUT_TOKENS, FIT_PREFILL_BUDGET, FIT_US
                                    PUBLISHED_FIRST_PULL_S, PUBLISHED_TIE_TOKENS)
 from calibration.hardware import DATA_DIR
 from calibration.profile import LatencyProfile
-from sim.cluster import Cluster
-from sim.config import SimConfig
+from sim.engine.cluster import Cluster
+from sim.engine.config import SimConfig
 from sim.workload.model import Conversation, Turn
 
 # GLM-5.2's architecture is taken as GLM-5's (ASSUMPTION: no GLM-5.2 config.json is stored here; Z.ai's

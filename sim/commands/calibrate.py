@@ -7,12 +7,12 @@ figures come from it. So the commands take the simulator as a parameter, and thi
 layers, passes it in: :func:`load_simulator` (called when a command runs, so ``bidikv --help`` loads
 no simulator) returns
 
-* ``sim.published.simulate_published_point``: ``calibrate``'s simulated column (the published figures);
-* ``sim.published.simulate_heldout_benchmark``: vLLM PR #32553's benchmark, the model no fit has seen
+* ``sim.replay.published.simulate_published_point``: ``calibrate``'s simulated column (the published figures);
+* ``sim.replay.published.simulate_heldout_benchmark``: vLLM PR #32553's benchmark, the model no fit has seen
   (``calibrate --leave-one-model-out``, and the expected error ``profile`` prints).
 
-``python -m sim.calibration_cli calibrate|profile ...`` runs the commands standalone, as ``bidikv`` does;
-``python -m sim.calibration_cli loo [--json|--markdown] [--seed N]`` prints calibration.loo's report.
+``python -m sim.commands.calibrate calibrate|profile ...`` runs the commands standalone, as ``bidikv`` does;
+``python -m sim.commands.calibrate loo [--json|--markdown] [--seed N]`` prints calibration.loo's report.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from calibration import cli
 
 
 def load_simulator() -> cli.Simulator:
-    from sim.published import simulate_heldout_benchmark, simulate_published_point
+    from sim.replay.published import simulate_heldout_benchmark, simulate_published_point
 
     return cli.Simulator(published_point=simulate_published_point, heldout_benchmark=simulate_heldout_benchmark)
 
