@@ -270,7 +270,7 @@ class Cluster:
 @contextlib.contextmanager
 def without_cyclic_gc():
     """Run with the cyclic GC off, restored as the caller had it. A run frees what it allocates by
-    reference counting (no cycle per turn: tests/sim/test_no_cycles.py; sim/interconnect breaks the one a
+    reference counting (no cycle per turn: tests/sim/test_no_cycles.py; sim/engine/interconnect breaks the one a
     flow and its timer made), so while it runs the collector only rescans what the run keeps, the
     records and store entries, over and over. On a million-turn tune point (gc.callbacks, CPU time): 8.3 s
     of collections with the youngest generation at 50,000 allocations and the workload frozen out of the

@@ -113,7 +113,6 @@ def load_workload(spec: Mapping[str, object], seed: int) -> list[Conversation]:
         return load_router_trace(_trace_path(spec, "workload"))
     if kind == VLLM_MULTI_TURN:
         from sim.clients.bench import CONFIG_KEYS, config_from_workload
-
         from sim.workload.chat_template import DEFAULT_TEMPLATE, parse_template
 
         for key in spec:

@@ -66,7 +66,7 @@ def test_the_compiled_build_runs_and_computes_what_the_sources_compute(built):
 
 def test_an_edited_source_runs_instead_of_the_stale_build_with_a_warning(built, tmp_path):
     root = _copy_tree(built, tmp_path)
-    router = root / "sim" / "router.py"
+    router = root / "sim" / "engine" / "router.py"
     original = router.read_bytes()
     router.write_bytes(original + b"\nEDITED_AFTER_THE_BUILD = True\n")
     out = _run(root, "-c", "import sim.engine.router, sim.engine.decode; print(sim.engine.router.EDITED_AFTER_THE_BUILD, "
@@ -87,7 +87,7 @@ def test_a_build_with_a_compiled_file_missing_or_without_its_stamp_is_not_run(bu
     assert out.stdout.strip() == "pure Python" and "stamp" in out.stderr
     _run(root, "tools/build_native.py")
     assert _run(root, "-c", WHICH).stdout.strip() == "native (mypyc)"
-    next((root / "sim").glob("decode.*.so")).unlink()
+    next((root / "sim" / "engine").glob("decode.*.so")).unlink()
     out = _run(root, "-c", WHICH)
     assert out.stdout.strip() == "pure Python" and "stale" in out.stderr
 
@@ -96,7 +96,7 @@ def test_clean_removes_the_build_and_the_sources_run_without_a_warning(built, tm
     root = _copy_tree(built, tmp_path)
     out = _run(root, "tools/build_native.py", "--clean")
     assert "removed 7 compiled files" in out.stdout
-    assert not list((root / "sim").glob("*.so")) and not (root / "sim" / "_native.json").exists()
+    assert not list((root / "sim").rglob("*.so")) and not (root / "sim" / "_native.json").exists()
     out = _run(root, "-c", WHICH)
     assert out.stdout.strip() == "pure Python" and out.stderr == ""
     assert "no compiled build" in _run(root, "tools/build_native.py", "--status").stdout
@@ -109,11 +109,11 @@ def test_status_says_the_sources_run_when_the_suite_asks_for_them(built):
 
 def test_a_source_mypyc_rejects_fails_the_build_naming_it_and_leaves_the_sources_in_charge(built, tmp_path):
     root = _copy_tree(built, tmp_path)
-    router = root / "sim" / "router.py"
+    router = root / "sim" / "engine" / "router.py"
     router.write_text(router.read_text() + "\nNOT_AN_INT: int = 'a string'\n")
     out = _run(root, "tools/build_native.py", check=False)
     assert out.returncode != 0
     assert "the build failed" in out.stderr and "sim/engine/router.py" in out.stderr and "NOT_AN_INT" not in out.stdout
-    assert not list((root / "sim").glob("*.so")) and not (root / "sim" / "_native.json").exists()
+    assert not list((root / "sim").rglob("*.so")) and not (root / "sim" / "_native.json").exists()
     out = _run(root, "-c", WHICH)
     assert out.stdout.strip() == "pure Python" and out.stderr == ""
