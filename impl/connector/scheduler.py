@@ -41,6 +41,11 @@ the bytes). What changes relative to vLLM 0.32's ``NixlPullConnectorScheduler``:
   orders first and hands the worker their last published expiry as the new deadline (vLLM's worker
   takes a re-sent deadline), so it frees them then -- at once for an entry no turn asked for within
   the window -- and never before any expiry a P was given.
+* **Releasing a turn its successor superseded on D** (prefill on D, ``bidikv_supersedes`` in the
+  successor's params, :mod:`impl.policy.prefill_on_d`): once the successor answered, the retained turn it
+  continued is released (its deadline re-sent as now) instead of pinned to its expiry. A D meant to serve
+  turns whole needs vLLM's prefix caching (on by default): without it a turn sent to D recomputes its
+  whole history, so a bidirectional D with it off says so at start.
 * **Notification** of the router (vLLM 0.32, :mod:`impl.connector.notify`), queued here, posted by
   a background thread.
 * **Idle-step throttle** (``build_connector_meta``). While a node holds blocks for a peer (D for
@@ -67,6 +72,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.v1.request import RequestStatus
 
 from impl.connector.config import ConfigError, ConnectorSettings
 from impl.connector.heartbeat import HeartbeatListener
@@ -75,6 +81,7 @@ from impl.connector.prefix import CHECK_KEY, PrefixChecker, ReuseReport, hash_bl
 from impl.connector.stats import BidikvKVConnectorStats
 from impl.policy import GiveBackLedger, PullCandidate, RecomputeDecision, TransferPath
 from impl.policy.give_back import RENEW_BEFORE_READ_KEY
+from impl.policy.prefill_on_d import superseded
 from impl.policy.return_time import asked_retention_s
 from impl.policy.store import usable_until
 from impl.policy.prefix_check import REPORT_KEY, PrefixVerification, VerifyReason
@@ -93,6 +100,7 @@ _DEBUG = os.environ.get("BIDIKV_CONNECTOR_DEBUG") == "1"
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+_ANSWERED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 _GIVEN_BACK_MEMORY = 65536  # request ids (~100 B each): far more than a pool's retained turns
 _IDLE_SLICE_S = 0.005  # how often an idle wait checks the engine's input queue
 _BLIND_IDLE_SLEEP_S = 0.01  # the longest idle wait when that queue cannot be seen
@@ -167,6 +175,8 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         # (path, reason) -> count, and how many peer block lists were cut (introspection, logs)
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self.trimmed_reads = 0
+        # prefill on D: what became of the retained turns requests named as superseded (released, not_held, ...)
+        self.superseded_outcomes: collections.Counter[str] = collections.Counter()
         # requests of ours whose KV is being read (no idle throttling while any is in flight)
         self._awaiting_recv: set[str] = set()
         self._sleep: Callable[[float], None] = time.sleep
@@ -187,6 +197,11 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
         self.prefix = PrefixChecker(vllm_config, hash_block_size_of(vllm_config, kv_cache_config, self.block_size))
         self._reports: dict[str, ReuseReport] = {}  # request -> its read's report, counted when it finishes
         self._stats = BidikvKVConnectorStats()  # the same counts, for vLLM's /metrics (stats.py)
+        if (settings.bidirectional and vllm_config.kv_transfer_config.kv_role != "kv_producer"
+                and not vllm_config.cache_config.enable_prefix_caching):
+            log.warning("bidikv connector %s: prefix caching is off on this D (--no-enable-prefix-caching): a turn the "
+                        "router serves here whole (bidikv router --prefill-on-d) cannot reuse what D holds and "
+                        "recomputes its whole prompt; P's pulls are unaffected", engine_id)
         log.info("bidikv connector scheduler %s: recompute=%s (threshold %d, P->D %s), retention=%s, "
                  "bidirectional=%s", engine_id, settings.recompute, settings.kv_recompute_threshold,
                  "on" if settings.apply_threshold_p_to_d else "off", settings.retention, settings.bidirectional)
@@ -374,7 +389,40 @@ class BidikvPullScheduler(NixlPullConnectorScheduler):
             # nothing kept for a later turn (bidirectional OFF, aborted, failed): say so, or the router holds
             # the conversation's next turn for up to its notify_wait_s waiting for params that never come
             self._notify(request, request_params, None, None)
+        if request.status in _ANSWERED:  # an aborted or failed turn leaves its predecessor as it was
+            self._release_superseded(request, request_params)
         return delay, out
+
+    def _release_superseded(self, request: "Request", params: dict[str, Any] | None) -> None:
+        """Prefill on D: ``request`` continued a turn this D retains (the router names it, SUPERSEDES_KEY) and
+        answered it; nothing will read that turn any more (the router's store handed it out once, to this
+        request), so its blocks are released now rather than pinned to its expiry. The worker frees them at
+        its next expiry scan; the full blocks the two turns share stay in use by ``request`` (retained in its
+        turn, or freed into vLLM's prefix cache), the rest go to the free queue, still cached until reused."""
+        named, malformed = superseded(params)
+        if malformed is not None:
+            self.superseded_outcomes["malformed"] += 1
+            log.warning("bidikv scheduler %s: request %s: %s; nothing released", self.engine_id, request.request_id,
+                        malformed)
+            return
+        if named is None:
+            return
+        previous, engine = named
+        if engine != self.engine_id or previous == request.request_id:
+            self.superseded_outcomes["other_engine"] += 1
+            return
+        held = self._retained.pop(previous, None)
+        if held is None:  # read, expired or given back meanwhile: nothing pinned
+            self.superseded_outcomes["not_held"] += 1
+            return
+        now = self._clock()
+        self._reqs_need_send[previous] = now  # a re-sent deadline: vLLM's worker takes it (pull_worker.py)
+        if self.give_back is not None:
+            self.give_back.remove(previous)
+        self.superseded_outcomes["released"] += 1
+        self._stats.record_superseded(max(0.0, held[1] - now))
+        log.debug("bidikv scheduler %s: %s superseded by %s on D: released %.1f s before its expiry",
+                  self.engine_id, previous, request.request_id, max(0.0, held[1] - now))
 
     def take_stats(self) -> BidikvKVConnectorStats | None:
         """This step's prefix-verification counts for vLLM's stats path (None when there are none)."""

@@ -15,6 +15,10 @@ D's give-back (``bidikv_retained_under_pressure: "give_back"``): ``vllm:bidikv_g
 turns D stopped renewing under memory pressure), ``vllm:bidikv_given_back_blocks_total`` (their blocks),
 ``vllm:bidikv_given_back_freed_total`` and ``vllm:bidikv_give_back_seconds_total`` (how many were freed,
 and the seconds from withholding to free summed over them: their ratio is the mean time to give back).
+
+D's release of a retained turn whose successor ran on D (prefill on D, ``bidikv_supersedes`` in the successor's
+params): ``vllm:bidikv_superseded_released_total`` (turns released before their expiry) and
+``vllm:bidikv_superseded_seconds_total`` (the hold they had left, summed: pinned time saved).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from impl.policy.prefix_check import VerifyReason
 PATHS = ("d_to_p", "p_to_d")
 OUTCOMES = ("offered", "verified", "pulled") + tuple(
     f"refused_{r.value}" for r in VerifyReason if r is not VerifyReason.FULL) + ("refused_unverified",)
-GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds")
+GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds",
+                  "bidikv_superseded_released", "bidikv_superseded_seconds")
 KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + GIVE_BACK_KEYS
 
 
@@ -56,6 +61,10 @@ class BidikvKVConnectorStats(NixlKVConnectorStats):
     def record_given_back_freed(self, seconds: float) -> None:
         self.data["bidikv_given_back_freed"].append(1)
         self.data["bidikv_give_back_seconds"].append(seconds)
+
+    def record_superseded(self, seconds_left: float) -> None:
+        self.data["bidikv_superseded_released"].append(1)
+        self.data["bidikv_superseded_seconds"].append(seconds_left)
 
     def aggregate(self, other: Any) -> "BidikvKVConnectorStats":
         # a plain NIXL stats object (another connector's worker) lacks our keys: add what is there
@@ -96,7 +105,10 @@ class BidikvPromMetrics(NixlPromMetrics):
                  "bidikv_given_back_blocks": "KV blocks of the retained turns D gave back under memory pressure.",
                  "bidikv_given_back_freed": "Given-back turns D freed (at their last published expiry).",
                  "bidikv_give_back_seconds": "Seconds from withholding a retained turn's renewal to freeing it, "
-                                             "summed over the turns freed."}
+                                             "summed over the turns freed.",
+                 "bidikv_superseded_released": "Retained turns D released before their expiry because their "
+                                               "successor ran on D (prefill on D).",
+                 "bidikv_superseded_seconds": "Hold those superseded turns had left when D released them, summed."}
         self.bidikv_give_back = {}
         for key, help_text in helps.items():
             c = self._counter_cls(name=f"vllm:{key}", documentation=help_text, labelnames=list(labelnames))

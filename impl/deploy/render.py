@@ -106,6 +106,8 @@ def engine_args(config: DeployConfig, role: str, mode: str) -> list[str]:
         argv += ["--max-model-len", str(model.max_model_len)]
     if role == "prefill" and not model.prefix_caching_on_prefill:
         argv.append("--no-enable-prefix-caching")
+    elif role == "decode":  # vLLM's default, explicit: a turn the router serves on D whole reuses D's cache
+        argv.append("--enable-prefix-caching")
     argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config, role, mode), separators=(",", ":"))]
     return argv + list(server.extra_args)
 

@@ -57,6 +57,13 @@ from impl.policy.recompute import PullCandidate, RecomputePolicy, TransferPath
 
 POLICIES = ("off", "isl_bounding", "prefill_load", "isl_or_load")
 
+# The key of a turn's kv_transfer_params, sent to the D it is served on whole, naming the retained turn it
+# continues ({"request_id": D's id of it, "engine_id": D's engine}): once the turn finished, D releases
+# that one instead of pinning it to its TTL. Nothing can read it any more: the router's store hands an
+# entry out once (the turn took it), and the turn's own retained blocks cover what the two share.
+SUPERSEDES_KEY = "bidikv_supersedes"
+_MAX_ID_LEN = 512
+
 
 class TurnPath(enum.Enum):
     """The three ways a later turn is served."""
@@ -227,6 +234,34 @@ class PrefillOnD:
             return TurnPath.PULL_TO_P
         candidate = PullCandidate(s.prompt_tokens, s.held_tokens, 0, block_size, TransferPath.DECODE_TO_PREFILL)
         return TurnPath.PULL_TO_P if p_policy.decide(candidate).pull else TurnPath.RECOMPUTE_ON_P
+
+
+def superseding(entry_params: object) -> dict[str, str] | None:
+    """The value of :data:`SUPERSEDES_KEY` for a turn continuing the retained turn whose params D returned
+    (``remote_request_id`` and ``remote_engine_id``), or None when they do not name one."""
+    if not isinstance(entry_params, dict):
+        return None
+    request_id, engine_id = entry_params.get("remote_request_id"), entry_params.get("remote_engine_id")
+    if not (isinstance(request_id, str) and isinstance(engine_id, str) and request_id and engine_id):
+        return None
+    return {"request_id": request_id, "engine_id": engine_id}
+
+
+def superseded(params: object) -> tuple[tuple[str, str] | None, str | None]:
+    """What D reads of :data:`SUPERSEDES_KEY` in a request's params: ``((request_id, engine_id), None)``;
+    ``(None, None)`` when absent; ``(None, why)`` when malformed (D then releases nothing)."""
+    if not isinstance(params, dict) or SUPERSEDES_KEY not in params:
+        return None, None
+    value = params[SUPERSEDES_KEY]
+    if not isinstance(value, dict):
+        return None, f"{SUPERSEDES_KEY} must be an object, got {type(value).__name__}"
+    ids = []
+    for name in ("request_id", "engine_id"):
+        v = value.get(name)
+        if not isinstance(v, str) or not v or len(v) > _MAX_ID_LEN:
+            return None, f"{SUPERSEDES_KEY}.{name} must be a non-empty string of at most {_MAX_ID_LEN} characters"
+        ids.append(v)
+    return (ids[0], ids[1]), None
 
 
 def suffix_token_bound(new_text_bytes: int, new_messages: int, per_message_tokens: int = 8) -> int:

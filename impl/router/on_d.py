@@ -20,11 +20,34 @@ from __future__ import annotations
 from typing import Any
 
 from impl.policy import ConversationEntry
-from impl.policy.prefill_on_d import HoldState, PathDecision, PathReason, PrefillOnD, TurnPath, TurnSignals, suffix_token_bound
+from impl.policy.prefill_on_d import (
+    SUPERSEDES_KEY,
+    HoldState,
+    PathDecision,
+    PathReason,
+    PrefillOnD,
+    TurnPath,
+    TurnSignals,
+    suffix_token_bound,
+    superseding,
+)
 from impl.router.request import TurnRequest
 from impl.router.upstreams import Upstream, UpstreamPool
 
 ON_D_PARAMS: dict[str, Any] = {"do_remote_decode": False, "do_remote_prefill": False}
+
+
+def on_d_params(entry: ConversationEntry | None) -> dict[str, Any]:
+    """D's kv_transfer_params for a turn served on it whole: nothing to pull, and the retained turn it
+    continues (``entry``, taken from the store: no one else can be offered it) to release once it finished
+    (:data:`impl.policy.prefill_on_d.SUPERSEDES_KEY`)."""
+    params = dict(ON_D_PARAMS)
+    supersedes = superseding(entry.kv_params) if entry is not None else None
+    if supersedes is not None:
+        params[SUPERSEDES_KEY] = supersedes
+    return params
+
+
 # D's running sequences and KV use are not visible to the router: the policy's guards on them never bind
 _UNSEEN = 1 << 31
 

@@ -46,7 +46,7 @@ from impl.router.capture import TurnCapture
 from impl.router.host_tier import REMOTE_KV_SOURCE, HostOffer, HostTierRouter
 from impl.router.config import RouterConfig
 from impl.router.metrics import RouterMetrics
-from impl.router.on_d import ON_D_PARAMS, OnDRouting
+from impl.router.on_d import OnDRouting, on_d_params
 from impl.router.notify import NOTIFY_KEY, NotifyHub, notify_field
 from impl.router.recorder import TurnRecorder
 from impl.router.request import TurnRequest, shown_id
@@ -219,7 +219,7 @@ class TurnProxy:
         # D no longer holds the turn in HBM: its host tier may (impl.router.host_tier)
         host = self.host_tier.offer(key) if self.host_tier is not None and offered is None and on_d is None else None
         try:
-            prefill = (PrefillResult(on_d, dict(ON_D_PARAMS)) if on_d is not None
+            prefill = (PrefillResult(on_d, on_d_params(offered)) if on_d is not None
                        else await self._prefill(turn, shared, offered, headers, key, host))
         except (UpstreamFailure, _PassThrough) as e:
             failed = e.response() if isinstance(e, UpstreamFailure) else e.response

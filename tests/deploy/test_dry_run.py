@@ -70,6 +70,7 @@ def test_servers(write_config, mode):
         assert flag(argv, "--tensor-parallel-size") == "8"
         assert flag(argv, "--max-model-len") == "32768"
     assert "--no-enable-prefix-caching" in p_argv and "--no-enable-prefix-caching" not in d_argv
+    assert "--enable-prefix-caching" in d_argv  # prefill on D reuses D's cache (vLLM's default, explicit)
 
     d_kv, p_kv = json.loads(flag(d_argv, "--kv-transfer-config")), json.loads(flag(p_argv, "--kv-transfer-config"))
     for kv, role in ((d_kv, "kv_consumer"), (p_kv, "kv_producer")):

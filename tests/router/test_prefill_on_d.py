@@ -54,7 +54,11 @@ async def test_a_short_later_turn_goes_whole_to_the_d_that_holds_it(stream):
         params = sent["kv_transfer_params"]
         assert params["do_remote_decode"] is False and params["do_remote_prefill"] is False
         assert "remote_block_ids" not in params and "remote_engine_id" not in params  # nothing to pull
-        assert set(params) <= {"do_remote_decode", "do_remote_prefill", "bidikv_notify"}
+        assert set(params) <= {"do_remote_decode", "do_remote_prefill", "bidikv_notify", "bidikv_supersedes"}
+        # the retained turn it continues, named so D releases it once this one answered (impl.connector.scheduler)
+        held = d.issued_d_params
+        assert params["bidikv_supersedes"]["engine_id"] == f"D-{d.name}"
+        assert params["bidikv_supersedes"]["request_id"] in held
         assert b"kv_transfer_params" not in r2.raw
         m = dep.router.metrics
         assert m.turn_paths.get("prefill_on_d", "short_suffix") == 1 and m.turn_paths.get("recompute_on_p", "off") == 1
