@@ -280,8 +280,9 @@ SETTINGS: tuple[Setting, ...] = (
        "D whose KV use (running and arriving blocks) is at this share of its pool (1: only a full D)", SIM,
        unit="fraction", minimum=0, exclusive_minimum=True, maximum=1),
     _s("prefill_on_d_lapsed_s", float, _arg(PrefillOnD, "lapsed_s"), "prefill on D: how long after a conversation's "
-       "entry expired (or D kept nothing) the router still counts on D's prefix cache holding it", SIM, unit="s",
-       minimum=0),
+       "entry expired (or D kept nothing) the router still counts on D's prefix cache holding it (the real router: "
+       "after D gave it back, timed from when the router stored the entry, which is never less)", SIM, ROUTER,
+       unit="s", minimum=0),
     # -- the connector's machinery -------------------------------------------------------------------------
     # the host tier (impl.policy.host_tier; the simulator's model of vLLM's OffloadingConnector: sim.engine.host_tier).
     # vLLM's own keys (cpu_bytes_to_use, eviction_policy, offload_prompt_only) keep vLLM's names.

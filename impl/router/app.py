@@ -155,7 +155,7 @@ class Router:
                                self.upstream_headers, lambda: self.notify_url)
         self.proxy.renew_for_read = self.heartbeats.renew_for_read
         if self.config.prefill_on_d != "off":
-            self.proxy.on_d = OnDRouting(self.config.prefill_on_d_policy(), self.prefill, self.decode)
+            self.proxy.on_d = OnDRouting(self.config.prefill_on_d_policy(), self.prefill, self.decode, self.proxy.clock)
         if self.trace is not None:
             self.proxy.tracer = TurnTracer(self.trace, self.lineage, self.metrics, self.public_names)
         if self.config.learnt_retention_budget_tokens > 0:

@@ -117,6 +117,7 @@ class RouterConfig:
     prefill_on_d_suffix_ratio: float = _d("prefill_on_d_suffix_ratio")
     prefill_on_d_p_busy_tokens: int = _d("prefill_on_d_p_busy_tokens")
     prefill_on_d_d_pending_tokens: int = _d("prefill_on_d_d_pending_tokens")
+    prefill_on_d_lapsed_s: float = _d("prefill_on_d_lapsed_s")
     loop: str = "auto"  # auto (uvloop if installed) | asyncio | uvloop
     log_level: str = "info"
 

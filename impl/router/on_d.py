@@ -17,7 +17,8 @@ with params and no ``do_remote_decode`` is a D-side one, retained for ``decoder_
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 from impl.policy import ConversationEntry
 from impl.policy.prefill_on_d import (
@@ -81,18 +82,29 @@ def suffix_bound(turn: TurnRequest, entry: ConversationEntry) -> int:
 class OnDRouting:
     """Which later turns go to the D holding them, and the work sent to each D not yet answered."""
 
-    def __init__(self, policy: PrefillOnD, prefill: UpstreamPool, decode: UpstreamPool) -> None:
+    def __init__(self, policy: PrefillOnD, prefill: UpstreamPool, decode: UpstreamPool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
+        self.clock = clock  # the router's clock, the one its store stamps entries with
         self.prefill = prefill
         self._decode = {u.name: u for u in decode}
         self.pending: dict[str, int] = {}  # D -> suffix tokens sent to it whose first token has not come
 
-    def choose(self, turn: TurnRequest, entry: ConversationEntry) -> tuple[PathDecision, Upstream | None]:
-        """The decision for a turn the store offered ``entry`` for, and the D to send it to (None: P)."""
+    def choose(self, turn: TurnRequest, entry: ConversationEntry, *, lapsed: bool = False,
+               now: float | None = None) -> tuple[PathDecision, Upstream | None]:
+        """The decision for a turn the store offered ``entry`` for, and the D to send it to (None: P).
+
+        ``lapsed``: D gave the entry back (its answer to the renewal before a read): the blocks may still be in
+        D's prefix cache. How long ago D freed them the router does not know; it counts the time since it
+        stored the entry, which is never less (``prefill_on_d_lapsed_s`` bounds it)."""
         d = self._decode.get(entry.decode_instance)
         suffix = suffix_bound(turn, entry)
         queued = [p.in_flight_tokens for p in self.prefill if p.healthy]
-        signals = TurnSignals(entry.num_tokens + suffix, entry.num_tokens, HoldState.RETAINED, 0.0, 0, _UNSEEN, 0,
+        hold, lapsed_for = HoldState.RETAINED, 0.0
+        if lapsed:
+            hold = HoldState.LAPSED
+            lapsed_for = max(0.0, (self.clock() if now is None else now) - entry.stored_at)
+        signals = TurnSignals(entry.num_tokens + suffix, entry.num_tokens, hold, lapsed_for, 0, _UNSEEN, 0,
                               _UNSEEN, self.pending.get(entry.decode_instance, 0), min(queued) if queued else 0)
         decision = self.policy.decide(signals)
         if decision.path is not TurnPath.PREFILL_ON_D:

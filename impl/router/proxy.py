@@ -195,9 +195,11 @@ class TurnProxy:
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float) -> web.StreamResponse:
         offered, given_back, key, miss = await self._lookup(turn, tenant)
-        path = _OFF
-        if self.on_d is not None and offered is not None:
-            path, d = self.on_d.choose(turn, offered)
+        path = _OFF if self.on_d is None or offered is not None else _NOTHING_HELD
+        # a conversation D gave back may still be in D's prefix cache (impl.router.on_d: a lapsed hold)
+        held = offered if offered is not None else given_back
+        if self.on_d is not None and held is not None:
+            path, d = self.on_d.choose(turn, held, lapsed=offered is None)
             if d is not None:  # the whole request to the D that holds the conversation (impl.router.on_d)
                 served = await self._turn(request, turn, tenant, t0, offered, given_back, key, miss, path, d)
                 if served is not None:
@@ -207,7 +209,8 @@ class TurnProxy:
         return await self._turn(request, turn, tenant, t0, offered, given_back, key, miss, path, None)
 
     async def _turn(self, request: web.Request, turn: TurnRequest, tenant: str, t0: float,
-                    offered: ConversationEntry | None, given_back: bool, key: tuple[str, str] | None, miss: str | None,
+                    offered: ConversationEntry | None, given_back: ConversationEntry | None, key: tuple[str, str] | None,
+                    miss: str | None,
                     path: PathDecision, on_d: Upstream | None) -> web.StreamResponse | None:
         """One turn through P then D, or (``on_d``) through that D alone; None if ``on_d`` could not take it."""
         request_id = os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID (~4 us)
@@ -285,7 +288,7 @@ class TurnProxy:
             d_fields["return_token_ids"] = True
         return shared.encode(d_fields)
 
-    def _turn_headers(self, t: _Turn, offered: ConversationEntry | None, given_back: bool,
+    def _turn_headers(self, t: _Turn, offered: ConversationEntry | None, given_back: ConversationEntry | None,
                       key: tuple[str, str] | None) -> dict[str, str]:
         """What this turn got, for clients that measure (bidikv bench): names and counts, never KV locations."""
         info = {"X-Bidikv-Reuse-Offered-Tokens": str(offered.num_tokens if offered is not None else 0),
@@ -294,7 +297,7 @@ class TurnProxy:
             info["X-Bidikv-Prefill"] = t.p_name
         if t.prefill.cached_tokens is not None:
             info["X-Bidikv-Prefill-Cached-Tokens"] = str(t.prefill.cached_tokens)
-        if given_back:  # D gave this conversation's KV back under memory pressure: the turn recomputed it
+        if given_back is not None:  # D gave this conversation's KV back under memory pressure: not pulled
             info["X-Bidikv-Reuse-Given-Back"] = "1"
         if offered is not None and t.on_d is None:
             self._account_reuse(t.prefill, info, key)
@@ -359,8 +362,8 @@ class TurnProxy:
 
     # -- 1. lookup --------------------------------------------------------------------------------
     async def _lookup(self, turn: TurnRequest, tenant: str
-                      ) -> tuple[ConversationEntry | None, bool, tuple[str, str] | None, str | None]:
-        """The entry to offer P (or None), whether D gave it back under pressure, the key the turn was
+                      ) -> tuple[ConversationEntry | None, ConversationEntry | None, tuple[str, str] | None, str | None]:
+        """The entry to offer P (or None), the entry D gave back under pressure (or None), the key the turn was
         looked up under (the one that hit, else the first tried; None if none was) and why it missed."""
         if turn.view is None:
             return self._missed("unsupported", None)
@@ -402,11 +405,11 @@ class TurnProxy:
                 # router does not know, nonsense) means the blocks may be gone, and P is not offered them
                 reason = "given_back" if outcome == "given_back" else "expired" if outcome in _NOT_HELD else "not_held"
                 self.metrics.reuse_misses.inc(reason)
-                return None, outcome == "given_back", key, reason
+                return None, entry if outcome == "given_back" else None, key, reason
         self.metrics.reuse_hits.inc()
         self.metrics.reuse_matches.inc(turn.match)
         self.metrics.tokens_reused.inc(amount=entry.num_tokens)
-        return entry, False, key, None
+        return entry, None, key, None
 
     async def _take_listed(self, tenant: str, turn: TurnRequest, directory: str) -> tuple[Lookup, str]:
         """An anchored completion: take the first held sequence listed in ``directory`` that this prompt
@@ -436,9 +439,9 @@ class TurnProxy:
             pass  # the next turn is not found by this anchor: it recomputes
 
     def _missed(self, reason: str, key: tuple[str, str] | None
-                ) -> tuple[None, bool, tuple[str, str] | None, str]:
+                ) -> tuple[None, None, tuple[str, str] | None, str]:
         self.metrics.reuse_misses.inc(reason)
-        return None, False, key, reason
+        return None, None, key, reason
 
     # -- 2. prefill -------------------------------------------------------------------------------
     async def _prefill(self, turn: TurnRequest, shared: _SharedBody, offered: ConversationEntry | None,
@@ -862,6 +865,7 @@ class _DecodeUnavailable(Exception):
 
 
 _OFF = PathDecision(TurnPath.RECOMPUTE_ON_P, PathReason.OFF, 0)
+_NOTHING_HELD = PathDecision(TurnPath.RECOMPUTE_ON_P, PathReason.NOTHING_HELD, 0)  # --prefill-on-d, no entry
 
 
 def _served_path(decision: PathDecision, on_d: Upstream | None, offered: ConversationEntry | None,

@@ -126,8 +126,10 @@ class TurnRecorder:
         if CHECK_KEY in params:
             # P verifies token ids against D's checkpoints and pulls only what agrees: any turn can be
             # offered, including ones whose history the router cannot reconstruct (reasoning, tool
-            # calls) or that the client or the chat template re-renders
-            held: tuple[int, str | None] | None = (0, None)
+            # calls) or that the client or the chat template re-renders. The length is kept all the same:
+            # prefill on D bounds a later turn's suffix by what lies beyond it (impl.router.on_d)
+            length = 0 if capture.unreconstructable else turn.held_length(capture.answer, capture.output_token_ids)
+            held: tuple[int, str | None] | None = (length, None)
         elif capture.unreconstructable:
             self.metrics.turns_not_stored.inc("unreconstructable")
             return

@@ -130,6 +130,17 @@ class TurnRequest:
             return None
         return list(self.body["prompt"]) + list(output_token_ids)
 
+    def held_length(self, answer: str, output_token_ids: list[int] | None) -> int:
+        """The length of what D holds after this turn in :meth:`held_sequence`'s units (messages with the
+        answer, code points, token ids), without its digest; 0 when it cannot be told."""
+        if self.prompt_kind == "chat":
+            return self.view.length + 1 if self.view is not None else 0
+        if self.prompt_kind == "text":
+            return len(self.body["prompt"]) + len(answer)
+        if self.prompt_kind == "tokens":
+            return len(self.body["prompt"]) + len(output_token_ids or ())
+        return 0
+
     def held_sequence(self, answer: str, output_token_ids: list[int] | None) -> tuple[int, str] | None:
         """``(held_len, held_digest)`` of what D holds after this turn, or None if it cannot be told."""
         if self.prompt_kind == "chat":

@@ -146,7 +146,7 @@ def _benchmark_turn(base_url: str, messages: list[dict], max_tokens: int) -> tup
                                  headers={"Content-Type": "application/json"})
     text = ""
     with urllib.request.urlopen(req, timeout=120) as resp:
-        headers = {k.lower(): v for k, v in resp.headers.items() if k.lower().startswith("x-bidikv-reuse")}
+        headers = {k.lower(): v for k, v in resp.headers.items() if k.lower().startswith("x-bidikv")}
         for line in resp:
             chunk = line.strip().decode().removeprefix("data: ")
             if not chunk or chunk == "[DONE]":

