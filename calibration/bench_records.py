@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 FORMAT = "bidikv-bench/1"
+PATHS = ("", "pull_to_p", "prefill_on_d", "recompute_on_p")  # impl.policy.prefill_on_d.TurnPath's values
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class BenchRecord:
     # output tokens that reached the client in the same read as the first (sim.bench.client.TurnResult);
     # None: not recorded (a record written before the field existed), taken as 1, what its TPOT assumed
     first_read_tokens: int | None = None
+    # which of the three the router served the turn by (X-Bidikv-Path: pull_to_p, prefill_on_d, recompute_on_p);
+    # "" from a router that does not say (one without --prefill-on-d before the header existed)
+    path: str = ""
 
     @property
     def ok(self) -> bool:
@@ -113,6 +117,8 @@ def read_jsonl(path: str) -> list[BenchRecord]:
                 raise ValueError(f"{where}: field prefill_cached_tokens must be an integer >= 0 or null, got {cached!r}")
             if obj.get("mode") not in ("on", "off"):
                 raise ValueError(f"{where}: field mode must be 'on' or 'off', got {obj.get('mode')!r}")
+            if obj.get("path", "") not in PATHS:
+                raise ValueError(f"{where}: field path must be one of {PATHS}, got {obj.get('path')!r}")
             for name in ("conversation", "prefill_instance", "decode_instance", "error"):
                 if not isinstance(obj.get(name, ""), str):
                     raise ValueError(f"{where}: field {name} must be a string")

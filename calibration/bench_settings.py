@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from calibration import jsondata
+from impl.policy import catalogue
+
+
+def _default(name: str) -> Any:
+    return catalogue.setting(name).default
 
 
 def _f(default: Any, help: str) -> Any:
@@ -35,6 +40,11 @@ class DeploymentSettings:
     decode_kv_blocks: int = _f(0, "KV blocks on D (0: from the profile's HBM budget)")
     max_num_seqs: int = _f(256, "vLLM --max-num-seqs of D")
     prefix_caching_on_p: bool = _f(False, "P ran with prefix caching (tests/e2e runs it off, as the published setup)")
+    # the router's prefill on D (impl.policy.prefill_on_d; bidikv router --prefill-on-d ...), same names and defaults
+    prefill_on_d: str = _f(_default("prefill_on_d"), "the router's --prefill-on-d policy (off, isl_bounding, "
+                           "prefill_load, isl_or_load)")
+    prefill_on_d_suffix_tokens: int = _f(_default("prefill_on_d_suffix_tokens"), "the router's --prefill-on-d-suffix-tokens")
+    prefill_on_d_suffix_ratio: float = _f(_default("prefill_on_d_suffix_ratio"), "the router's --prefill-on-d-suffix-ratio")
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "DeploymentSettings":

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import aiohttp
 
 from sim.bench.config import BenchConfig
-from calibration.bench_records import BenchRecord
+from calibration.bench_records import PATHS, BenchRecord
 from sim.workload.model import Conversation
 
 
@@ -134,7 +134,11 @@ def turn_record(config: BenchConfig, conversation_id: str, index: int, prompt_to
                        prefill_cached_tokens=int(cached) if cached is not None else None,
                        prefill_instance=headers.get("X-Bidikv-Prefill", ""),
                        decode_instance=headers.get("X-Bidikv-Decode", ""), error=error,
-                       first_read_tokens=first_read)
+                       first_read_tokens=first_read, path=_path(headers.get("X-Bidikv-Path", "")))
+
+
+def _path(header: str) -> str:
+    return header if header in PATHS else ""
 
 
 async def run_bench(config: BenchConfig, conversations: Sequence[Conversation]) -> list[BenchRecord]:

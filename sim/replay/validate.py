@@ -12,7 +12,8 @@ host contention (:mod:`sim.engine.contention`). Then per turn:
   P reported): ``pulled``, ``recomputed`` (offered below the threshold), ``declined`` (offered enough,
   pulled nothing: the blocks went within the expiry margin before P read them, or P's token check
   failed), ``expired`` (the router had nothing unexpired to offer), ``none`` (first turn, or
-  bidirectional OFF) -- expected to agree exactly;
+  bidirectional OFF), ``on_d`` (prefill on D: the router sent the turn whole to the D holding it; the
+  record's ``path``, the simulator's decision) -- expected to agree exactly;
 * pulled tokens (P's ``prefill_cached_tokens``; P runs without prefix caching) -- exact;
 * TTFT and TPOT relative error, summarised as median and p90 of |error| by prompt bucket and turn index.
 
@@ -34,6 +35,7 @@ from calibration.bench_records import BenchRecord
 from sim.engine.cluster import Cluster
 from sim.engine.config import SimConfig
 from sim.engine.contention import HostContention, attach
+from sim.engine.prefill_on_d import PREFILL_ON_D
 from sim.engine.records import TurnRecord, percentile
 from sim.workload.model import Conversation, Turn
 
@@ -112,6 +114,9 @@ def sim_config(settings: DeploymentSettings, profile: LatencyProfile, bidirectio
     config.policy.kv_recompute_threshold = settings.kv_recompute_threshold
     config.policy.decoder_kv_blocks_ttl = settings.decoder_kv_blocks_ttl
     config.policy.expiry_margin_s = settings.expiry_margin_s
+    config.policy.prefill_on_d = settings.prefill_on_d
+    config.policy.prefill_on_d_suffix_tokens = settings.prefill_on_d_suffix_tokens
+    config.policy.prefill_on_d_suffix_ratio = settings.prefill_on_d_suffix_ratio
     config.topology.decode_kv_blocks = settings.decode_kv_blocks
     config.topology.max_num_seqs = settings.max_num_seqs
     # the wire is the profile's fitted rate (a loopback here): the NIC must not be the tighter bound
@@ -155,6 +160,9 @@ def replay(records: Sequence[BenchRecord], profile: LatencyProfile, settings: De
     return cluster.run(conversations).records
 
 
+ON_D = "on_d"  # a turn served on D whole (prefill on D): no P, nothing pulled
+
+
 def classify(bidirectional: bool, turn: int, offered: int, pulled: int, threshold: int) -> str:
     """One rule for both sides, on what the router and P report (so real and simulated mean the same):
     ``none`` (OFF, or a first turn), ``expired`` (the router offered nothing: no unexpired entry),
@@ -170,11 +178,15 @@ def classify(bidirectional: bool, turn: int, offered: int, pulled: int, threshol
 
 
 def real_decision(r: BenchRecord, settings: DeploymentSettings) -> str:
+    if r.path == PREFILL_ON_D:  # the router sent it whole to D (X-Bidikv-Path)
+        return ON_D
     return classify(r.mode == "on", r.turn, r.reuse_offered_tokens, r.prefill_cached_tokens or 0,
                     settings.kv_recompute_threshold)
 
 
 def sim_decision(rec: TurnRecord, settings: DeploymentSettings, bidirectional: bool) -> str:
+    if rec.decision == PREFILL_ON_D:
+        return ON_D
     offered = rec.offered_tokens if rec.store_hit else 0
     pulled = rec.pulled_tokens if rec.decision == "pull" else 0
     return classify(bidirectional, rec.turn, offered, pulled, settings.kv_recompute_threshold)

@@ -65,6 +65,33 @@ def test_off_never_pulls():
     assert [(c.real_decision, c.sim_decision) for c in turns] == [("none", "none"), ("none", "none")]
 
 
+def test_turns_served_on_d_are_replayed_on_d():
+    """The router sent the later turns whole to D (the record's path); the simulator, running the same policy
+    on the same counts (D holds 695 of a 746-token prompt: a suffix of 51, below 200 and 0.7), does too. With
+    the suffix bound at 40, both send the turn to P, which pulls."""
+    on_d = dataclasses.replace(SETTINGS, prefill_on_d="isl_bounding", prefill_on_d_suffix_tokens=200)
+    run = [dataclasses.replace(r, path="prefill_on_d" if r.turn else "recompute_on_p", reuse_offered_tokens=r.turn and 695,
+                               prefill_cached_tokens=None if r.turn else 0)
+           for r in _conversation("e", [0.0, TURN_S + 1.0], [0, 0], [0, 0])]
+    summary, turns = validate_run(run, RIG, on_d)
+    assert [(c.real_decision, c.sim_decision) for c in turns] == [("none", "none"), ("on_d", "on_d")]
+    assert summary["decision_matrix"]["on_d"] == {"on_d": 1}
+    run = _conversation("f", [0.0, TURN_S + 1.0], [0, 695], [0, 695])
+    _, turns = validate_run(run, RIG, dataclasses.replace(on_d, prefill_on_d_suffix_tokens=40))
+    assert [(c.real_decision, c.sim_decision) for c in turns] == [("none", "none"), ("pulled", "pulled")]
+
+
+def test_a_bench_record_names_only_a_known_path(tmp_path):
+    from calibration.bench_records import read_jsonl, write_jsonl
+
+    path = tmp_path / "run.jsonl"
+    write_jsonl([dataclasses.replace(_conversation("g", [0.0], [0], [0])[0], path="prefill_on_d")], str(path))
+    assert read_jsonl(str(path))[0].path == "prefill_on_d"
+    path.write_text(path.read_text().replace("prefill_on_d", "on_p"))
+    with pytest.raises(ValueError, match="field path must be one of"):
+        read_jsonl(str(path))
+
+
 def test_a_disagreement_is_reported_not_hidden():
     # the real deployment pulled, but the turn came 8 s later: the simulator expires it
     run = _conversation("d", [0.0, TURN_S + 8.0], [0, 695], [0, 695])

@@ -44,12 +44,14 @@ output_tokens = {{ kind = "constant", value = 32 }}
 """
 
 
-def _bench(e2e: E2E, tmp_path: Path, name: str, concurrency: int) -> Path:
+def _bench(e2e: E2E, tmp_path: Path, name: str, concurrency: int, url: str | None = None,
+           settings: dict | None = None) -> Path:
+    """A bench run through ``url`` (the shared router by default) and its deployment.json (plus ``settings``)."""
     config = tmp_path / f"{name}.toml"
     config.write_text(WORKLOAD_TOML.format(seed=uuid.uuid4().int % 1_000_000))  # prompts no earlier run shares
     out = tmp_path / f"{name}.jsonl"
     run = subprocess.run(
-        [sys.executable, "-m", "impl.cli", "bench", "--url", e2e.router, "--mode", "on", "--config", str(config),
+        [sys.executable, "-m", "impl.cli", "bench", "--url", url or e2e.router, "--mode", "on", "--config", str(config),
          "--out", str(out), "--concurrency", str(concurrency), "--gap-scale", "0.01",
          "--token-id-low", str(FIRST_ORDINARY_ID), "--token-id-high", str(VOCAB_SIZE)],
         cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -58,7 +60,7 @@ def _bench(e2e: E2E, tmp_path: Path, name: str, concurrency: int) -> Path:
     (tmp_path / f"{name}.deployment.json").write_text(json.dumps({
         "bidirectional": True, "kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": DECODER_TTL_S,
         "block_size": BLOCK_SIZE, "kv_bytes_per_token": kv_bytes_per_token(), "decode_kv_blocks": NUM_KV_BLOCKS,
-        "max_num_seqs": 8, "prefix_caching_on_p": False}))
+        "max_num_seqs": 8, "prefix_caching_on_p": False, **(settings or {})}))
     return out
 
 
