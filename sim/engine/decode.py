@@ -152,6 +152,10 @@ class DecodeNode:
         # published expiry (at its finish or a client heartbeat's renewal; the router's ask just before P reads
         # publishes one more, but the read takes the entry then), and the lapsing ones at their free time
         self.ledger = GiveBackLedger(give_back, self.retained) if give_back is not None else None
+        # a retained entry leaves the pool another way than expiry (read, declined, unpinned): its blocks, and
+        # its give-back bookkeeping with a ledger (the ledger's or the pool's method itself: no layer per turn)
+        self._release_retained: Callable[[Any], int] = (self.ledger.remove if self.ledger is not None
+                                                        else self.retained.discard)
         # key -> (tokens, revision, finished_at, turn): "turn" is the conversation's turn whose prompt + output they hold
         self._retained_meta: dict[Any, tuple[int, int, float, int]] = {}
         self._reading: dict[Any, tuple[int, int, int, int]] = {}  # key -> (tokens, revision, blocks, turn)
@@ -239,19 +243,21 @@ class DecodeNode:
                     self._fate[key] = "given_back"
                 else:
                     self._fate[key] = "expired"
-                self._to_cache(key, tokens, revision, blocks, turn)
+                self._to_cache(key, (tokens, revision, blocks, turn))
         if now > self._retained_clock:  # _integrate_retained(now), inline: a few times per turn
             self.totals.retained_block_seconds += retained.blocks * (now - self._retained_clock)
             self._retained_clock = now
 
-    def _to_cache(self, key: Any, tokens: int, revision: int, blocks: int, turn: int) -> None:
+    def _to_cache(self, key: Any, entry: tuple[int, int, int, int]) -> None:
+        """``key``'s blocks leave running, retained or reading for the prefix cache (when it is on): ``entry``
+        is (tokens, revision, blocks, turn), kept as it is (a reader's entry is cached without a new tuple)."""
         if not self.prefix_caching:
             return
         old = self._cache.pop(key, None)
         if old is not None:
             self.cached_blocks -= old[2]
-        self._cache[key] = (tokens, revision, blocks, turn)
-        self.cached_blocks += blocks
+        self._cache[key] = entry
+        self.cached_blocks += entry[2]
 
     def _check(self, used: int) -> None:
         """``used``: used_blocks, summed by the caller (which has it at hand: no property call, a few times
@@ -394,11 +400,6 @@ class DecodeNode:
             totals.given_back += 1
             totals.given_back_blocks += retained.blocks_of(key)
 
-    def _release_retained(self, key: Any) -> int:
-        """A retained entry leaves the pool another way than expiry (read, declined, unpinned): its blocks
-        (and its give-back bookkeeping)."""
-        return self.ledger.remove(key) if self.ledger is not None else self.retained.discard(key)
-
     # -- D->P reads of retained blocks -------------------------------------------------------------
     def holds(self, key: Any) -> int:
         meta = self._retained_meta.get(key)
@@ -435,7 +436,7 @@ class DecodeNode:
         blocks = held[2]
         self.reading_blocks -= blocks
         self._fate[key] = "read"
-        self._to_cache(key, *held)
+        self._to_cache(key, held)  # a positional tuple: a *args call costs several plain ones
         if self._waiting_blocks:
             self._released()
 
@@ -453,7 +454,7 @@ class DecodeNode:
             return False
         blocks = self._release_retained(key)
         self._fate[key] = fate
-        self._to_cache(key, meta[0], meta[1], blocks, meta[3])
+        self._to_cache(key, (meta[0], meta[1], blocks, meta[3]))
         self.load_dirty.add(self)
         if self._waiting_blocks:
             self._released()
@@ -700,7 +701,7 @@ class DecodeNode:
         """Start the next segment, or wait idle for a sequence to join (its wake calls this again)."""
         env, profile = self.env, self.profile
         running, joining = self.running, self._joining
-        done_at = self._done_at
+        done_at, by_phase, bs = self._done_at, self._by_phase, self._bs
         # everything that changes the running sequences or their blocks (joins, growth, a segment's end,
         # finishes, preemption) runs in here or just before it, before any placement can read them
         self.load_dirty.add(self)
@@ -716,12 +717,28 @@ class DecodeNode:
                 blocks = seq.blocks
                 self.arriving_blocks -= blocks
                 self.running_blocks += blocks
-                self._enter(seq, steps)
+                # into the running figures (here only, once per turn: no call layer; tests/sim/test_decode_figures.py
+                # joins sequences through here)
+                seq.order = order = self._joins
+                self._joins = order + 1
+                running[order] = seq
+                seq.join_step = steps
+                context = seq.context
+                seq.base = base = context - steps
+                remaining = seq.remaining
+                seq.done_step = done = steps + remaining
+                heapq.heappush(done_at, (done, order))
+                self._base_sum += base
+                phase = base % bs
+                by_phase[phase] += 1
+                by_phase[phase + bs] += 1
+                # a preempted sequence rejoins with room for one more token: a block to spare at a block's end
+                self._unstepped_extra += blocks + (-context // bs)
                 rec = seq.rec
                 # a host-tier pull's tokens pay no per-reused-byte overhead (fitted on HBM pulls: calibration.host_tier)
                 reused = rec.reused_tokens if rec.decision != "host_pull" else 0
                 rec.ttft_s = now + profile.ttft_overhead_s(rec.prompt_tokens, reused) - rec.arrival_s
-                if seq.remaining <= 0:
+                if remaining <= 0:
                     joined_done = True
             if joined_done:
                 self._finish_done(now)
@@ -737,7 +754,7 @@ class DecodeNode:
             if prefilling:  # one step at a time while D computes a suffix: each step carries a chunk
                 k = 1
             batch = len(running)
-            growth = self._crossings(k) - self._unstepped_extra
+            growth = self._crossings(k, batch) - self._unstepped_extra
             retained = self.retained
             used = self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks + self.cached_blocks
             if growth > self.capacity - used:
@@ -746,7 +763,7 @@ class DecodeNode:
                     if k == 0:
                         self._preempt_newest()
                         continue
-                    growth = self._crossings(k) - self._unstepped_extra
+                    growth = self._crossings(k, batch) - self._unstepped_extra
                 used = (self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks
                         + self.cached_blocks)  # _make_room freed some
             # reserve the segment's growth now, so admissions during the segment cannot take it: each
@@ -770,23 +787,6 @@ class DecodeNode:
             self._segment_timer = after(env, segment_s, wake)
             return
 
-    def _enter(self, seq: _Seq, steps: int) -> None:
-        """``seq`` joins the running batch now, after ``steps`` steps: into the running figures."""
-        seq.order = order = self._joins
-        self._joins += 1
-        self.running[order] = seq
-        seq.join_step = steps
-        seq.base = base = seq.context - steps
-        seq.done_step = done = steps + seq.remaining
-        heapq.heappush(self._done_at, (done, order))
-        self._base_sum += base
-        bs = self._bs
-        phase = base % bs
-        self._by_phase[phase] += 1
-        self._by_phase[phase + bs] += 1
-        # a preempted sequence rejoins with room for one more token: a block to spare at a block's end
-        self._unstepped_extra += seq.blocks + (-seq.context // bs)
-
     def _leave(self, seq: _Seq) -> None:
         """``seq`` (already out of ``running``) leaves the batch: its context, remaining steps and blocks
         from the running figures, and out of them."""
@@ -802,13 +802,14 @@ class DecodeNode:
         self._by_phase[phase] -= 1
         self._by_phase[phase + bs] -= 1
 
-    def _crossings(self, j: int) -> int:
-        """Blocks the running batch adds over its next ``j`` steps if each sequence holds exactly its
-        context's blocks: a sequence adds one at each step that takes its context past a multiple of the
-        block size, i.e. within e < bs steps exactly when its context modulo bs is 0 or above bs - e."""
+    def _crossings(self, j: int, batch: int) -> int:
+        """Blocks the running batch (``batch`` = len(running), which the caller has at hand) adds over its
+        next ``j`` steps if each sequence holds exactly its context's blocks: a sequence adds one at each
+        step that takes its context past a multiple of the block size, i.e. within e < bs steps exactly
+        when its context modulo bs is 0 or above bs - e."""
         bs = self._bs
         e = j % bs
-        crossings = j // bs * len(self.running)
+        crossings = j // bs * batch
         if e:
             lo = (1 - e - self._steps) % bs  # those residues of the context, as residues of the base
             crossings += sum(self._by_phase[lo:lo + e])
@@ -865,7 +866,7 @@ class DecodeNode:
         k = self._end_steps
         steps = self._steps
         if k != self._segment[2]:  # the blocks of the steps not taken go back
-            self.running_blocks -= self._segment_crossings - self._crossings(k)
+            self.running_blocks -= self._segment_crossings - self._crossings(k, len(self.running))
         self._steps = steps = steps + k
         deferred = None
         if self._done_at[0][0] <= steps:
@@ -876,10 +877,10 @@ class DecodeNode:
 
     def _steps_that_fit(self, k: int, now: float) -> int:
         """Largest j <= k whose block growth fits (after freeing cache/retained blocks)."""
-        extra = self._unstepped_extra
+        extra, batch = self._unstepped_extra, len(self.running)
 
         def growth(j: int) -> int:
-            return self._crossings(j) - extra
+            return self._crossings(j, batch) - extra
 
         if growth(k) <= self.free_blocks or self._make_room(growth(k), now):
             return k
@@ -964,9 +965,9 @@ class DecodeNode:
                     self._retain(key, context, seq.revision, blocks, now, expires_at, rec.turn)
                 else:
                     expires_at = None
-                    self._to_cache(key, context, seq.revision, blocks, rec.turn)
+                    self._to_cache(key, (context, seq.revision, blocks, rec.turn))
             else:
-                self._to_cache(key, context, seq.revision, blocks, rec.turn)
+                self._to_cache(key, (context, seq.revision, blocks, rec.turn))
             self.on_finish(self, seq, expires_at)
             queue = self.env._queue
             if defer and len(finished) == 1 and (not queue or queue[0][0] > now):

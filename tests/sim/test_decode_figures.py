@@ -1,5 +1,6 @@
 """The decode node's running figures (sim.engine.decode): the batch's context, the blocks its next steps add and
-what a leaving sequence holds, against the same figures counted sequence by sequence."""
+what a leaving sequence holds, against the same figures counted sequence by sequence. Sequences join through
+the engine loop production runs (DecodeNode._join), which keeps the join's figures inline."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from calibration.profile import LatencyProfile
 from sim.engine.decode import DecodeNode, _Seq
+from sim.engine.records import TurnRecord
 
 PROFILE = LatencyProfile.load("qwen3-32b@p5en-tp8")
 BS = PROFILE.block_size
@@ -23,37 +25,62 @@ def bare_node() -> DecodeNode:
                       on_finish=lambda *_: None)
 
 
-batches = st.lists(st.tuples(st.integers(1, 5000), st.booleans()), min_size=1, max_size=40)
+def join(node: DecodeNode, batch: list[tuple[int, bool, int]]) -> list[tuple[_Seq, int, int]]:
+    """The sequences of ``batch`` ((context, preempted, remaining steps)) join the running batch the way a
+    turn's KV arriving joins it (DecodeNode._join wakes the engine loop, which takes every joining sequence);
+    returns (sequence, context, blocks it joined with)."""
+    seqs = []
+    for i, (context, preempted, remaining) in enumerate(batch):
+        # a preempted sequence rejoins holding room for one more token than its context
+        held = blocks(context + 1) if preempted else blocks(context)
+        rec = TurnRecord(f"c{i}", 1, "t", context, remaining + 1, 0.0)
+        seqs.append((_Seq(rec, ("t", f"c{i}"), 0, context, remaining, held, lambda: None), context, held))
+        node.arriving_blocks += held  # allocated at admission, running once joined
+    node._joining.extend(seq for seq, _, _ in seqs[:-1])
+    node._join(seqs[-1][0])
+    return seqs
+
+
+batches = st.lists(st.tuples(st.integers(1, 5000), st.booleans(), st.integers(1, 3 * BS + 1)), min_size=1, max_size=40)
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=batches, start=st.integers(0, 10**6), taken=st.integers(0, 100), j=st.integers(1, 3 * BS + 1))
+@given(batch=batches, start=st.integers(0, 10**6), taken=st.integers(1, 100), j=st.integers(1, 3 * BS + 1))
 def test_block_growth_and_context_match_a_count_sequence_by_sequence(batch, start, taken, j):
     node = bare_node()
     node._steps = start
-    seqs = []
-    for i, (context, preempted) in enumerate(batch):
-        # a preempted sequence rejoins holding room for one more token than its context
-        held = blocks(context + 1) if preempted else blocks(context)
-        seq = _Seq(None, ("t", f"c{i}"), 0, context, 10**6, held, lambda: None)
-        node._enter(seq, node._steps)
-        seqs.append((seq, context, held))
-    if taken:  # the batch formed a segment (reserving the blocks of its steps) and took ``taken`` steps
-        node._unstepped_extra = 0
-        node._steps += taken
+    seqs = join(node, batch)
+    # the joins formed a segment up to the first sequence's end, reserving what each holds after its steps
+    k = min(remaining for _, _, remaining in batch)
+    assert node._segment[2] == k
+    assert node._base_sum + len(seqs) * node._steps == sum(context for _, context, _ in seqs)
+    assert node._segment_crossings == sum(blocks(c + k) - blocks(c) for _, c, _ in seqs)
+    assert node.running_blocks == sum(blocks(c + k) for _, c, _ in seqs)
+    node._steps += taken  # the batch took ``taken`` steps (a segment's end adds them so)
     now = [context + taken for _, context, _ in seqs]
     assert node._base_sum + len(seqs) * node._steps == sum(now)
-    if taken:  # every sequence holds exactly its context's blocks once it has taken a step
-        expected = sum(blocks(c + j) - blocks(c) for c in now)
-    else:
-        expected = sum(blocks(c + j) - held for (_, _, held), c in zip(seqs, now))
-    assert node._crossings(j) - (0 if taken else node._unstepped_extra) == expected
-    # leaving (newest first, as preemption does) gives each sequence its context and blocks back
-    for seq, context, held in reversed(seqs):
+    assert node._crossings(j, len(node.running)) == sum(blocks(c + j) - blocks(c) for c in now)
+    # leaving (newest first, as preemption does) gives each sequence its context, remaining steps and blocks
+    for (seq, context, _), remaining in zip(reversed(seqs), reversed([r for _, _, r in batch])):
         assert node.running.popitem()[1] is seq
         node._leave(seq)
         assert seq.context == context + taken
-        assert seq.remaining == 10**6 - taken
-        assert seq.blocks == (blocks(context + taken) if taken else held)
+        assert seq.remaining == remaining - taken
+        assert seq.blocks == blocks(context + taken)
+    assert node._base_sum == node._unstepped_extra == 0
+    assert not any(node._by_phase)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(st.tuples(st.integers(1, 5000), st.booleans()), min_size=1, max_size=40),
+       start=st.integers(0, 10**6))
+def test_a_sequence_done_when_it_joins_leaves_with_the_blocks_it_joined_with(batch, start):
+    node = bare_node()
+    node._steps = start
+    seqs = join(node, [(context, preempted, 0) for context, preempted in batch])  # one-token answers
+    assert not node.running and node.running_blocks == 0
+    for seq, context, held in seqs:
+        assert (seq.context, seq.remaining, seq.blocks) == (context, 0, held)
+        assert seq.rec.completion_s == 0.0
     assert node._base_sum == node._unstepped_extra == 0
     assert not any(node._by_phase)
