@@ -96,7 +96,8 @@ class _Seq:
         """Its KV arrived from P (``node``: where it is served): it joins the batch, from the transfer's
         own event (a bound method where a closure per turn was)."""
         self.rec.p2d_transfer_s = elapsed
-        self.node._join(self)
+        node = self.node
+        node._join(self, node._joining)
 
 
 def chunk_work_s(profile: "LatencyProfile", tokens: int, context: int) -> float:
@@ -602,34 +603,24 @@ class DecodeNode:
             fixed = profile.handoff_fixed_s(-(-p2d // self._bs))
             self.interconnect.start(p_name, self.name, profile.transfer_bytes(p2d), fixed, seq.arrived)
         else:
-            self._join(seq)
+            self._join(seq, self._joining)
 
-    def _join(self, seq: _Seq) -> None:
-        """Always the last thing an event's callbacks do (a transfer's end, or P's end of the turn's
-        prefill through the router), so the wake may be processed on the spot (sim.engine.instant)."""
-        self._joining.append(seq)
+    def _join(self, seq: _Seq, waiting: "collections.deque[_Seq]", on_the_spot: bool = True) -> None:
+        """``seq`` waits in ``waiting`` (_joining: to join the batch; _prefilling: a suffix to compute here
+        first) and the engine loop wakes, which a running segment's timer no longer does (it fires as a
+        no-op). Always the last thing an event's callbacks do (a transfer's end, P's end of the turn's
+        prefill through the router, D's admission), so the wake is processed on the spot when nothing else
+        is due now (sim.engine.instant); a preempted sequence's rejoin (``on_the_spot`` False) queues it,
+        as the wake event's succeed() did."""
+        waiting.append(seq)
         armed = self._armed
         if armed is not None:
             self._armed = None
             timer = self._segment_timer
-            if timer is not None and timer.callbacks:  # the segment's timer (not yet fired) fires as a no-op
+            if timer is not None and timer.callbacks:
                 timer.callbacks = []
             queue = self.env._queue
-            if not queue or queue[0][0] > self.env._now:
-                armed(None)  # sim.engine.instant.succeed_now's case: nothing else is due now
-            else:
-                after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
-
-    def _wake(self) -> None:
-        """Wake the engine loop for a suffix to compute (the caller's last act; _join's wake, not inlined)."""
-        armed = self._armed
-        if armed is not None:
-            self._armed = None
-            timer = self._segment_timer
-            if timer is not None and timer.callbacks:  # the segment's timer (not yet fired) fires as a no-op
-                timer.callbacks = []
-            queue = self.env._queue
-            if not queue or queue[0][0] > self.env._now:
+            if on_the_spot and (not queue or queue[0][0] > self.env._now):
                 armed(None)  # sim.engine.instant.succeed_now's case: nothing else is due now
             else:
                 after(self.env, 0, armed)  # the queue entry the wake event's succeed() made
@@ -645,8 +636,7 @@ class DecodeNode:
         rec.recomputed_tokens = suffix
         rec.reused_tokens = seq.context - suffix
         self.prefill_pending_tokens += suffix
-        self._prefilling.append(seq)
-        self._wake()
+        self._join(seq, self._prefilling)
 
     def _take_chunks(self, batch: int) -> float:
         """The suffix chunks the next step carries (decode tokens first, then the budget's rest, oldest
@@ -741,7 +731,7 @@ class DecodeNode:
                 if remaining <= 0:
                     joined_done = True
             if joined_done:
-                self._finish_done(now)
+                self._leave(now)
             if not running:
                 if self._prefilling and not joining:
                     self._prefill_step(now)
@@ -761,7 +751,7 @@ class DecodeNode:
                 if not self._make_room(growth, now):
                     k = self._steps_that_fit(k, now)
                     if k == 0:
-                        self._preempt_newest()
+                        self._leave(now, preempt=True)
                         continue
                     growth = self._crossings(k, batch) - self._unstepped_extra
                 used = (self.running_blocks + self.arriving_blocks + retained.blocks + self.reading_blocks
@@ -786,21 +776,6 @@ class DecodeNode:
             self._armed = wake = self._segment_wake
             self._segment_timer = after(env, segment_s, wake)
             return
-
-    def _leave(self, seq: _Seq) -> None:
-        """``seq`` (already out of ``running``) leaves the batch: its context, remaining steps and blocks
-        from the running figures, and out of them."""
-        steps, bs = self._steps, self._bs
-        seq.context = context = seq.base + steps
-        seq.remaining = seq.done_step - steps
-        if steps != seq.join_step:
-            seq.blocks = -(-context // bs)  # what every segment's end leaves a sequence holding
-        else:  # it never took a step: it holds what it joined with
-            self._unstepped_extra -= seq.blocks + (-context // bs)
-        self._base_sum -= seq.base
-        phase = seq.base % bs
-        self._by_phase[phase] -= 1
-        self._by_phase[phase + bs] -= 1
 
     def _crossings(self, j: int, batch: int) -> int:
         """Blocks the running batch (``batch`` = len(running), which the caller has at hand) adds over its
@@ -870,7 +845,7 @@ class DecodeNode:
         self._steps = steps = steps + k
         deferred = None
         if self._done_at[0][0] <= steps:
-            deferred = self._finish_done(self.env._now, True)  # defer
+            deferred = self._leave(self.env._now, True)  # defer
         self._run()
         if deferred is not None:
             deferred()
@@ -893,12 +868,9 @@ class DecodeNode:
                 hi = mid - 1
         return lo
 
-    def _preempt_newest(self) -> None:
-        """The running batch cannot grow even one step: drop the newest sequence's blocks and
-        re-queue it (vLLM recompute preemption; it re-pulls from P, which we count, not model further)."""
-        _, seq = self.running.popitem()
-        self._leave(seq)
-        self.running_blocks -= seq.blocks
+    def _requeue_preempted(self, seq: _Seq) -> None:
+        """``seq``, the newest, left the batch because it could not grow even one step (vLLM recompute
+        preemption: its blocks dropped; it re-pulls from P, which we count, not model further): re-queue it."""
         seq.rec.preempted += 1
         self.totals.preemptions += 1
         if self.retained.blocks:  # the batch could have grown into them (it needed at least one block)
@@ -917,44 +889,54 @@ class DecodeNode:
         # vLLM puts a preempted request back at the front of the waiting queue (scheduler.py
         # _preempt_request: waiting.prepend_request), ahead of turns that never ran
         self._waiting_blocks.appendleft((needed, ready, None))
-        ready.callbacks.append(lambda _e, s=seq: self._rejoin(s))  # type: ignore[misc]
+        ready.callbacks.append(lambda _e, s=seq: self._join(s, self._joining, False))  # type: ignore[misc]
         self._released()
 
-    def _rejoin(self, seq: _Seq) -> None:
-        self._joining.append(seq)
-        armed = self._armed
-        if armed is not None:
-            self._armed = None
-            timer = self._segment_timer
-            if timer is not None and timer.callbacks:  # as in _join
-                timer.callbacks = []
-            after(self.env, 0, armed)  # queued, as the wake event's succeed() was
-
-    def _finish_done(self, now: float, defer: bool = False) -> Callable[[], None] | None:
-        """Finish every sequence that is done. With ``defer``, a single finished sequence whose done
-        event would be the next one processed (nothing else due now) is returned instead of queued:
-        the caller processes it after everything it still does at this instant (sim.engine.instant)."""
+    def _leave(self, now: float, defer: bool = False, preempt: bool = False) -> Callable[[], None] | None:
+        """Sequences leave the running batch: every one that is done (finished: retained or cached, the
+        router told, its end queued), or with ``preempt`` the newest (re-queued, _requeue_preempted). The
+        one place a sequence's context, remaining steps and blocks come back from the running figures
+        (inline: once per turn). With ``defer``, a single finished sequence whose done event would be the
+        next one processed (nothing else due now) is returned instead of queued: the caller processes it
+        after everything it still does at this instant (sim.engine.instant)."""
         steps, done_at, running = self._steps, self._done_at, self.running
-        finished = []
-        while done_at and done_at[0][0] <= steps:
-            seq = running.pop(heapq.heappop(done_at)[1], None)
-            if seq is not None:  # else preempted since
-                finished.append(seq)
-        if not finished:
-            return None
-        if len(finished) > 1:
-            finished.sort(key=_join_order)  # in the batch's order, oldest first
-        deferred = None
-        if now >= self._expiry_bound:
-            self._advance_retention(now)
-        elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
-            self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
-            self._retained_clock = now
         expiry = self.retention_expiry
+        if preempt:
+            finished = [running.popitem()[1]]
+        else:
+            finished = []
+            while done_at and done_at[0][0] <= steps:
+                seq = running.pop(heapq.heappop(done_at)[1], None)
+                if seq is not None:  # else preempted since
+                    finished.append(seq)
+            if not finished:
+                return None
+            if len(finished) > 1:
+                finished.sort(key=_join_order)  # in the batch's order, oldest first
+            if now >= self._expiry_bound:
+                self._advance_retention(now)
+            elif now > self._retained_clock:  # what _advance_retention(now) does then, inline
+                self.totals.retained_block_seconds += self.retained.blocks * (now - self._retained_clock)
+                self._retained_clock = now
+        deferred = None
+        bs, by_phase = self._bs, self._by_phase
         for seq in finished:
-            self._leave(seq)
-            context, blocks = seq.context, seq.blocks
+            base = seq.base
+            seq.context = context = base + steps
+            seq.remaining = seq.done_step - steps
+            if steps != seq.join_step:
+                seq.blocks = blocks = -(-context // bs)  # what every segment's end leaves a sequence holding
+            else:  # it never took a step: it holds what it joined with
+                blocks = seq.blocks
+                self._unstepped_extra -= blocks + (-context // bs)
+            self._base_sum -= base
+            phase = base % bs
+            by_phase[phase] -= 1
+            by_phase[phase + bs] -= 1
             self.running_blocks -= blocks
+            if preempt:
+                self._requeue_preempted(seq)
+                return None
             rec = seq.rec
             rec.completion_s = now
             key = seq.key

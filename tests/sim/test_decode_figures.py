@@ -37,7 +37,7 @@ def join(node: DecodeNode, batch: list[tuple[int, bool, int]]) -> list[tuple[_Se
         seqs.append((_Seq(rec, ("t", f"c{i}"), 0, context, remaining, held, lambda: None), context, held))
         node.arriving_blocks += held  # allocated at admission, running once joined
     node._joining.extend(seq for seq, _, _ in seqs[:-1])
-    node._join(seqs[-1][0])
+    node._join(seqs[-1][0], node._joining)
     return seqs
 
 
@@ -60,13 +60,16 @@ def test_block_growth_and_context_match_a_count_sequence_by_sequence(batch, star
     now = [context + taken for _, context, _ in seqs]
     assert node._base_sum + len(seqs) * node._steps == sum(now)
     assert node._crossings(j, len(node.running)) == sum(blocks(c + j) - blocks(c) for c in now)
-    # leaving (newest first, as preemption does) gives each sequence its context, remaining steps and blocks
+    # preempting (the newest first) gives each sequence its context, remaining steps and blocks back, and
+    # re-queues it with room for one more token
     for (seq, context, _), remaining in zip(reversed(seqs), reversed([r for _, _, r in batch])):
-        assert node.running.popitem()[1] is seq
-        node._leave(seq)
+        assert next(reversed(node.running.values())) is seq
+        node._leave(0.0, preempt=True)
+        assert seq not in node.running.values()
         assert seq.context == context + taken
         assert seq.remaining == remaining - taken
-        assert seq.blocks == blocks(context + taken)
+        assert seq.blocks == blocks(context + taken + 1) and seq.rec.preempted == 1
+    assert node.running_blocks == sum(blocks(c + k) - blocks(c + taken) for _, c, _ in seqs)  # reserved, not taken
     assert node._base_sum == node._unstepped_extra == 0
     assert not any(node._by_phase)
 
@@ -75,6 +78,7 @@ def test_block_growth_and_context_match_a_count_sequence_by_sequence(batch, star
 @given(batch=st.lists(st.tuples(st.integers(1, 5000), st.booleans()), min_size=1, max_size=40),
        start=st.integers(0, 10**6))
 def test_a_sequence_done_when_it_joins_leaves_with_the_blocks_it_joined_with(batch, start):
+    """The join finishes it at once (DecodeNode._leave, never having taken a step)."""
     node = bare_node()
     node._steps = start
     seqs = join(node, [(context, preempted, 0) for context, preempted in batch])  # one-token answers
