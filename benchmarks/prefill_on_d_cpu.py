@@ -3,7 +3,7 @@ the time per output token of another sequence D is decoding meanwhile.
 
     flock /tmp/vllm.lock .venv/bin/python benchmarks/prefill_on_d_cpu.py --out-dir /tmp/on_d_bench
 
-One deployment (tests/e2e/deployment.py: P without prefix caching, D bidirectional with a 300 s TTL, a
+One deployment (tests/e2e/deployment.py: P without prefix caching, D bidirectional with a 60 s TTL and 2,048 KV blocks, a
 float32 random model built locally, h512/l8 by default so that a prompt's compute is measurable on a CPU;
 on a machine with two cores or more P is pinned to core 0 and D to core 1) and three routers in front of it:
 
@@ -153,8 +153,10 @@ def main() -> int:
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     model = build_tiny_model(out / f"model-h{args.hidden}-l{args.layers}", hidden_size=args.hidden,
                              num_hidden_layers=args.layers)
-    spec = DeploymentSpec(threshold=48, decoder_ttl_s=300.0, reference=False, router=True,
-                          prefill_args=["--no-enable-prefix-caching"], max_model_len=4096,
+    # D's pool holds every retained turn of the recompute path (its router never learns of them, so they stay to
+    # the TTL: ~85 blocks each) besides the live ones; with 512 blocks a later turn waited at the head of D's queue
+    spec = DeploymentSpec(threshold=48, decoder_ttl_s=60.0, reference=False, router=True,
+                          prefill_args=["--no-enable-prefix-caching"], max_model_len=4096, decode_kv_blocks=2048,
                           prefill_cpus=frozenset({0}) if pin else None, decode_cpus=frozenset({1}) if pin else None)
     before = _uptime()
     dep = start_deployment(model, out / "logs", spec)

@@ -7,6 +7,9 @@ front of the shared P and D (pinned TTL retention), every text compared with the
   A turn on D after a pulled one hits the blocks D loaded from P; the turn served on D releases the
   retained turn it continued well before the TTL (D's ``vllm:bidikv_superseded_released_total`` and
   vLLM's own ``vllm:nixl_num_kv_expired_reqs_total``).
+* With give_back (D gives retained turns back past a watermark): a conversation D gave back is served on D
+  from what D still caches (freed blocks keep their hashes until reused), a held one on D or pulled to P, a
+  given-back one with a long question recomputed on P.
 * Token-exactness: with the tests' byte-level BPE and a template that re-renders history (plain ChatML,
   whose retokenized answers drift; the reasoning template, which drops ``<think>`` from earlier answers),
   D's prefix-cache hit is exactly the whole blocks of the longest common prefix of what D holds and the new
@@ -244,3 +247,93 @@ def test_validate_replays_a_run_with_turns_on_d(e2e: E2E, validate_router: str, 
     assert summary["decisions_agree"] == summary["pulled_tokens_agree"] == summary["turns"], summary["decision_matrix"]
     assert summary["decision_matrix"]["on_d"]["on_d"] == paths.count("prefill_on_d")
     assert summary["overall"]["ttft"]["median_abs_pct"] < 100, summary["overall"]["ttft"]  # test_validate_live's bound
+
+
+# -- give_back retention: a conversation D gave back is served on D from what D still caches --------------
+
+GB_TTL_S = 60.0
+GB_WINDOW_S = 8.0  # D publishes expiries 8 s ahead (more than P's 5 s margin)
+GB_HEADROOM = 0.95  # D keeps 95 % of its 512-block pool free: more than 25 blocks pinned and it gives back
+
+
+@pytest.fixture(scope="module")
+def give_back_deployment(e2e: E2E):
+    """P + D (D with give_back) and a router with --prefill-on-d isl_bounding, suffixes up to 512 tokens and a 60 s
+    lapsed hold; texts are compared with the shared deployment's reference server (same model, same settings)."""
+    from tests.e2e.deployment import DeploymentSpec, free_port, start_deployment
+
+    extra = {"bidikv_retained_under_pressure": "give_back", "bidikv_heartbeat_port": free_port(),
+             "bidikv_heartbeat_host": "127.0.0.1", "bidikv_give_back_publish_window_s": GB_WINDOW_S,
+             "bidikv_give_back_headroom": GB_HEADROOM}
+    # a 60 s TTL: the router keeps a given-back entry (to know D may still cache it) until the retention's expiry
+    spec = DeploymentSpec(threshold=e2e.threshold, decoder_ttl_s=GB_TTL_S, reference=False, router=False,
+                          prefill_args=["--no-enable-prefix-caching"], decode_extra=extra, max_model_len=4096)
+    dep = start_deployment(e2e.model_dir, e2e.log_dir / "d-side-give-back", spec)
+    router = router_process(dep.prefill.url, dep.decode.url, spec, e2e.log_dir / "d-side-give-back", name="router-gb")
+    router.cmd += ["--prefill-on-d", "isl_bounding", "--prefill-on-d-lapsed-s", str(GB_TTL_S), "--prefill-on-d-suffix-tokens", "512"]
+    try:
+        router.start()
+        wait_healthy([router], 60.0)
+        yield dep, router.url
+    finally:
+        router.stop()
+        dep.stop()
+
+
+def test_with_give_back_each_outcome_and_a_given_back_turn_served_on_d(e2e: E2E, give_back_deployment):
+    dep, router = give_back_deployment
+
+    def turn(conv: str, k: int, messages: list[dict], max_tokens: int = LONG) -> dict:
+        before = counters_at(dep.prefill.url, dep.decode.url, router)
+        p_before = _p_requests(dep.prefill.url)
+        got = chat(router, messages, max_tokens=max_tokens, conversation_id=conv, timeout=300)
+        time.sleep(1.5)  # D's last step's counts are published with its next step
+        after = counters_at(dep.prefill.url, dep.decode.url, router)
+        d = {n: {key: after[n][key] - before[n][key] for key in after[n]} for n in ("p", "d")}
+        row = {"conversation": conv.split("-")[0], "turn": k, "outcome": got.headers.get("X-Bidikv-Path"),
+               "reason": got.headers.get("X-Bidikv-Path-Reason"), "given_back": got.headers.get("X-Bidikv-Reuse-Given-Back"),
+               "d_prefix_hits": int(d["d"]["local_cache_tokens"]), "d_computed": int(d["d"]["computed_tokens"]),
+               "p_requests": int(_p_requests(dep.prefill.url) - p_before), "p_pulled": int(d["p"]["external_tokens"]),
+               "text_equal": got.text == reference_text(e2e, messages, max_tokens), "text": got.text}
+        rows.append(row)
+        return row
+
+    rows: list[dict] = []
+    # warm-up: both NIXL handshakes (D reads P on turn 1, P reads D on turn 2)
+    warm, warm_id = [unique_system("gb-warm"), user("Warm up the handshake. " * 6)], "warm-" + uuid.uuid4().hex
+    w1 = chat(router, warm, max_tokens=64, conversation_id=warm_id, timeout=300)
+    chat(router, warm + [{"role": "assistant", "content": w1.text}, user("Again, and tell me much more this time. " * 30)],
+         max_tokens=4, conversation_id=warm_id, timeout=300)
+    # G: a long history (~1,100 tokens: ~37 blocks pinned on D, past the watermark), so D gives the turn back at
+    # once; it is freed at its published expiry (8 s) into D's prefix cache. (Prompts stay within the reference
+    # server's 2,048-token context.)
+    g = f"g-{uuid.uuid4().hex}"
+    g_messages = [unique_system("gb-g"), user("Tell me how a lighthouse keeper spends the night, in detail. " * 40)]
+    turn(g, 1, g_messages)
+    time.sleep(GB_WINDOW_S + 2.0)
+    g_messages = g_messages + [{"role": "assistant", "content": rows[-1]["text"]}, user("And the lamp? " * 2)]
+    given = turn(g, 2, g_messages)
+    # A: a short conversation stays under the watermark: held, served on D, then pulled to P
+    a = f"a-{uuid.uuid4().hex}"
+    messages = [unique_system("gb-a"), user("Tell me about the history of the bicycle, in detail. " * 3)]
+    turn(a, 1, messages)
+    for k, question in ((2, "And the brakes? " * 2),
+                        (3, "Describe, one by one, the gears and the chains and the brakes of an old bicycle. " * 8)):
+        messages = messages + [{"role": "assistant", "content": rows[-1]["text"]}, user(question)]
+        turn(a, k, messages)
+    # G again after D gave its second turn back too, with a question past the suffix bound: P recomputes
+    time.sleep(GB_WINDOW_S + 2.0)
+    g_messages = g_messages + [{"role": "assistant", "content": given["text"]},
+                               user("Why does the lamp turn, and who keeps the clockwork wound? " * 10)]
+    turn(g, 3, g_messages)
+    print_table(rows)
+    gb = Metrics.scrape(dep.decode.url)
+    print(f"D gave back {gb.value('vllm:bidikv_given_back_total'):.0f} turns, freed "
+          f"{gb.value('vllm:bidikv_given_back_freed_total'):.0f}")
+    assert all(r["text_equal"] for r in rows), [(r["conversation"], r["turn"]) for r in rows if not r["text_equal"]]
+    assert given["outcome"] == "prefill_on_d" and given["given_back"] == "1", given
+    assert given["p_requests"] == 0 and given["d_prefix_hits"] >= 20 * BLOCK_SIZE, given  # freed, still cached
+    assert [r["outcome"] for r in rows[2:]] == ["recompute_on_p", "prefill_on_d", "pull_to_p", "recompute_on_p"], rows
+    assert rows[3]["p_requests"] == 0 and rows[4]["p_pulled"] >= e2e.threshold, rows[3:]
+    assert rows[5]["reason"] == "suffix_too_long" and rows[5]["p_pulled"] == 0 and rows[5]["p_requests"] == 1, rows[5]
+    assert gb.value("vllm:bidikv_given_back_total") >= 2
