@@ -312,10 +312,14 @@ def check_invariants(cfg, convs) -> None:
             # the read was of this tenant's conversation, started after the turn arrived, before its first token
             starts = granted[(r.tenant, r.conversation)]
             assert any(r.arrival_s <= t and (r.rejected or t <= r.arrival_s + r.ttft_s) for t in starts), (r, starts)
-            # never serve KV of a rewritten history (nor of the same id under another tenant)
+            # never serve KV of a rewritten history (nor of the same id under another tenant): what D holds is
+            # the last turn it served (a turn D rejected retained nothing, so its predecessor's entry may still
+            # serve), and no turn since then rewrote the history
             conv = conv_of[(r.tenant, r.conversation)]
-            assert conv.turns[r.turn].history_revision == conv.turns[r.turn - 1].history_revision
-            assert not by_key[(r.tenant, r.conversation, r.turn - 1)].rejected
+            served = [k for k in range(r.turn) if not by_key[(r.tenant, r.conversation, k)].rejected]
+            assert served, r
+            revisions = {conv.turns[k].history_revision for k in range(served[-1], r.turn + 1)}
+            assert len(revisions) == 1, (r, revisions)
         elif r.miss_reason != "host_miss":  # a host-tier probe that found nothing still took its time
             assert r.d2p_transfer_s == 0
     # every granted read shows up as exactly one reusing turn served through P, from D's HBM or its host tier
