@@ -71,6 +71,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_listen_port() -> int:
+    """A free port below the kernel's ephemeral range, for a listener that binds it only later (a heartbeat
+    listener, bound by D's engine core a minute after start): the servers' own outgoing and ephemeral sockets
+    take ports from that range meanwhile, so a port picked there can be gone by then (seen:
+    ``[Errno 98] Address already in use`` on D's heartbeat port)."""
+    import random
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1025, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (held open together so they differ)."""
     socks = []

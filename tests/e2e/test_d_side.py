@@ -260,9 +260,9 @@ GB_HEADROOM = 0.95  # D keeps 95 % of its 512-block pool free: more than 25 bloc
 def give_back_deployment(e2e: E2E):
     """P + D (D with give_back) and a router with --prefill-on-d isl_bounding, suffixes up to 512 tokens and a 60 s
     lapsed hold; texts are compared with the shared deployment's reference server (same model, same settings)."""
-    from tests.e2e.deployment import DeploymentSpec, free_port, start_deployment
+    from tests.e2e.deployment import DeploymentSpec, free_listen_port, start_deployment
 
-    extra = {"bidikv_retained_under_pressure": "give_back", "bidikv_heartbeat_port": free_port(),
+    extra = {"bidikv_retained_under_pressure": "give_back", "bidikv_heartbeat_port": free_listen_port(),
              "bidikv_heartbeat_host": "127.0.0.1", "bidikv_give_back_publish_window_s": GB_WINDOW_S,
              "bidikv_give_back_headroom": GB_HEADROOM}
     # a 60 s TTL: the router keeps a given-back entry (to know D may still cache it) until the retention's expiry
