@@ -46,6 +46,8 @@ class Narrowing:
     screened: set[int] = field(default_factory=set)
     same_as_simulated: int = 0  # of the simulated: took a twin's figures (same retention, same pulls on every turn)
     give_back_twins: int = 0  # give_back jobs not screened that took their pinned twin's figures
+    same_decisions: int = 0  # jobs not screened that took the figures of one differing only in a recompute policy
+    # that decides alike on every candidate the workload can offer (sim/tune/screen.py Screener.same_simulation_key)
     notes: list[str] = field(default_factory=list)
 
 
@@ -73,14 +75,15 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
            counts_for_best: Callable[[int], bool], submit: Callable[[list[int]], list[Future]],
            objective: str, budget_gb: float, tolerance_pct: float, batch: int,
            references: dict[int, dict[str, Any]] | None = None,
-           pinned_twins: dict[int, int] | None = None) -> Narrowing:
+           pinned_twins: dict[int, int] | None = None, same_run: dict[int, int] | None = None) -> Narrowing:
     """``screened``: job -> screen figures; ``pending``: the jobs to simulate anyway (every job not
     screened: they start first, with the probe); ``submit`` starts simulating jobs and returns their
     futures; ``counts_for_best``: may the job's simulated objective set the best (a non-lease sweep point
     or vLLM's default); ``references``: screen figures of simulated jobs (vLLM's default), to check the
     screen against; ``batch``: simulations kept running at once (one per worker); ``pinned_twins``: give_back
     job -> its pinned twin's job (sim/tune/evaluate.py ``pinned_twin``): a pending give_back job waits for
-    its twin and takes its figures when that run shows giving back would not have acted, else is simulated.
+    its twin and takes its figures when that run shows giving back would not have acted, else is simulated;
+    ``same_run``: pending job -> the pending job whose simulation it is (it runs no simulation of its own).
 
     Results are taken in the order the simulations started, and the next point is chosen after each
     one, from those taken so far: the same points are simulated whatever the executor and however
@@ -169,12 +172,13 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
     # (unless it is a reference's twin: then that simulation is its own); it starts with the jobs
     # that are simulated anyway
     waiting_for: dict[int, list[int]] = {}  # a pending pinned job -> the give_back twins waiting for it
+    same_run = same_run or {}
     pending_set = set(pending)
     for gb, pin in sorted((pinned_twins or {}).items()):
-        if gb in pending_set and pin in pending_set:
-            waiting_for.setdefault(pin, []).append(gb)
+        if gb in pending_set and pin in pending_set and gb not in same_run:
+            waiting_for.setdefault(same_run.get(pin, pin), []).append(gb)
     deferred = {gb for waiting in waiting_for.values() for gb in waiting}
-    start([j for j in pending if j not in deferred])
+    start([j for j in pending if j not in deferred and j not in same_run])
     probe = min(open_, key=lambda j: (-twin[j][0], objective_lo(j))) if open_ else None
     if probe is not None and twin[probe] not in running_twins:
         start([probe])
@@ -184,6 +188,9 @@ def narrow(screened: dict[int, dict[str, Any]], pending: Sequence[int], jobs: in
         take(job, future.result())
         while trusted and len(running) < batch and (job := next_candidate()) is not None:
             start([job])
+    for job, rep in same_run.items():
+        results[job] = results[rep]
+        out.same_decisions += 1
     out.notes = list(dict.fromkeys(out.notes))
     run_length = lengths() if results else (math.nan, math.nan)
     out.results = [results[j] if j in results else screened_metrics(screened[j], run_length) for j in range(jobs)]

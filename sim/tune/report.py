@@ -369,16 +369,21 @@ def screening_summary(narrowing: Any, not_screened: Sequence[str], requested: bo
         return {"requested": True, "screened": 0, "simulated_after_screening": 0, "notes": list(not_screened),
                 "text": "not applicable, every configuration simulated: " + "; ".join(not_screened)}
     screened, simulated = len(narrowing.screened), len(narrowing.simulated)
-    runs = len(narrowing.results) - screened - narrowing.same_as_simulated - narrowing.give_back_twins
+    runs = (len(narrowing.results) - screened - narrowing.same_as_simulated - narrowing.give_back_twins
+            - narrowing.same_decisions)
     text = (f"{screened} fixed-TTL configurations screened (one pass over the workload, not simulated), "
             f"{simulated} more simulated: {simulated - narrowing.same_as_simulated} because the recommendation could "
             "be them or to probe for memory pressure"
             + (f", {narrowing.same_as_simulated} the same simulation as one of those or a reference (same TTL, same "
                "pulls on every turn)" if narrowing.same_as_simulated else "")
             + (f"; {narrowing.give_back_twins} give_back points the same simulation as their pinned twin (giving "
-               "back never acted there)" if narrowing.give_back_twins else "") + "; "
+               "back never acted there)" if narrowing.give_back_twins else "")
+            + (f"; {narrowing.same_decisions} the same simulation as another point not screened (only their "
+               "recompute policies differ, and those decide alike on every pull the workload can offer)"
+               if narrowing.same_decisions else "") + "; "
             f"{runs} simulations run in all, references included")
     return {"requested": True, "screened": screened, "simulated_after_screening": simulated,
             "same_simulation_as_another": narrowing.same_as_simulated, "give_back_twins": narrowing.give_back_twins,
+            "same_decisions": narrowing.same_decisions,
             "simulated": len(narrowing.results) - screened, "simulations_run": runs, "notes": list(narrowing.notes),
             "text": text + "".join(f"; {n}" for n in narrowing.notes)}

@@ -272,18 +272,75 @@ def screenable(policy: Any) -> bool:
     return policy.retention == "ttl" and policy.bidirectional
 
 
+# The settings that only build P's recompute policy (sim.engine.config.PolicyConfig.recompute): with the host
+# tier and prefill on D off, the simulation reads them through that policy's decide() and nowhere else.
+RECOMPUTE_SETTINGS = ("recompute_policy", "kv_recompute_threshold")
+
+
+def offerable_candidates(conversations: Sequence[Conversation], block_size: int) -> list[PullCandidate]:
+    """Every candidate P can decide on in any run of this workload, whatever D retains, with P's prefix cache
+    off: turn ``k`` offered what D held after any earlier turn ``j`` of its conversation (the router's entry
+    is the last retained turn's, which need not be ``k - 1``'s when a hold was skipped), verified as
+    sim.engine.prefill does it. One per distinct (prompt, offered) pair: decide() sees nothing else."""
+    seen: set[tuple[int, int]] = set()
+    for conv in conversations:
+        turns = conv.turns
+        lineage = Lineage(turns)
+        for k in range(1, len(turns)):
+            n = turns[k].prompt_tokens
+            for j in range(k):
+                held = turns[j]
+                remote = held_tokens(held)
+                verified = verified_tokens_model(remote, held.prompt_tokens, lineage.held_agreement(k, j), n,
+                                                 block_size)
+                seen.add((n, min(remote, verified)))
+    return [PullCandidate(n, r, 0, block_size, TransferPath.DECODE_TO_PREFILL) for n, r in sorted(seen)]
+
+
+class Screener:
+    """The tuner's hook: a candidate's screened figures (None: not screenable or a tie), and which points run
+    the same simulation because only their recompute policies differ and those decide alike everywhere."""
+
+    def __init__(self, config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile,
+                 table: TurnTable | None = None) -> None:
+        self.config, self.profile = config, profile
+        self.screen = Screen(table or TurnTable(config, conversations, profile))
+        self._offerable = offerable_candidates(conversations, profile.block_size)
+        self._anywhere: dict[str, str] = {}
+
+    def __call__(self, candidate: Any) -> dict[str, Any] | None:
+        policy = dataclasses.replace(self.config.policy, **candidate.policy)
+        if not screenable(policy):
+            return None
+        return self.screen.figures(policy.decoder_kv_blocks_ttl, policy.recompute(self.profile))
+
+    def same_simulation_key(self, config: SimConfig, overrides: dict[str, Any]) -> tuple[str, str] | None:
+        """A key equal for two points (base config, policy overrides) exactly when they differ at most in their
+        recompute policies and those make the same decision (pull or not, and how many tokens) on every
+        candidate any run of the workload can offer P: then every turn meets the same decision in both
+        simulations, and the two run event for event alike (the recompute policy enters a run only through
+        decide(); the decision's reason is in no figure). None where that argument does not hold (host tier
+        or prefill on D: both read the recompute settings elsewhere) or the config is not the screened one."""
+        policy = dataclasses.replace(config.policy, **overrides)
+        if (dataclasses.replace(config, policy=self.config.policy) != self.config or not policy.bidirectional
+                or policy.prefix_caching or policy.host_tier or policy.prefill_on_d != "off"):
+            return None
+        rest = {k: v for k, v in overrides.items() if k not in RECOMPUTE_SETTINGS}
+        return repr(config) + repr(sorted(rest.items())), self._decides_anywhere(policy.recompute(self.profile))
+
+    def _decides_anywhere(self, recompute_policy: Any) -> str:
+        key = repr(recompute_policy)
+        if key not in self._anywhere:
+            decided = [recompute_policy.decide(c) for c in self._offerable]
+            pulls = np.array([d.tokens if d.pull else -1 for d in decided], dtype=np.int64)
+            self._anywhere[key] = hashlib.blake2b(pulls.tobytes(), digest_size=16).hexdigest()
+        return self._anywhere[key]
+
+
 def screener(config: SimConfig, conversations: Sequence[Conversation], profile: LatencyProfile,
-             decode_blocks: int, table: TurnTable | None = None) -> tuple[Any, list[str]]:
-    """(candidate -> screened figures or None, why nothing is screened): the tuner's hook."""
+             decode_blocks: int, table: TurnTable | None = None) -> tuple[Screener | None, list[str]]:
+    """(the tuner's hook, or None with why nothing is screened)."""
     reasons = premise_failures(config, conversations, decode_blocks, profile.block_size)
     if reasons:
         return None, reasons
-    screen = Screen(table or TurnTable(config, conversations, profile))
-
-    def figures(candidate: Any) -> dict[str, Any] | None:
-        policy = dataclasses.replace(config.policy, **candidate.policy)
-        if not screenable(policy):
-            return None
-        return screen.figures(policy.decoder_kv_blocks_ttl, policy.recompute(profile))
-
-    return figures, []
+    return Screener(config, conversations, profile, table), []

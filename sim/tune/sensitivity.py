@@ -107,14 +107,26 @@ def sweep_jobs(config: SimConfig, candidates: Sequence[Candidate]) -> tuple[list
 def surely_simulated(config: SimConfig, candidates: Sequence[Candidate], screening: bool) -> list[int]:
     """The jobs of :func:`sweep_jobs` simulated whatever a screen finds, in job order: all of them
     without screening; with it, all but the sweep's points the screen can stand for (sim/tune/screen.py
-    ``screenable``), which the screen must see first. The tuner starts these before it screens."""
-    from sim.tune.screen import screenable
+    ``screenable``), which the screen must see first, and but those differing from an earlier one only in
+    their recompute policy (the screen may find them the same simulation: :func:`same_runs`). The tuner
+    starts these before it screens."""
+    from sim.tune.screen import RECOMPUTE_SETTINGS, screenable
 
     configs, overrides, index = sweep_jobs(config, candidates)
     twins = pinned_twin_jobs(configs, overrides)  # simulated only if their pinned twin comes near the limit
-    return sorted(j for c, jobs in zip(candidates, index) for j in jobs.values()
+    sure = sorted(j for c, jobs in zip(candidates, index) for j in jobs.values()
                   if (not screening or c.kind != "sweep" or depends_on_clients(c)
                       or not screenable(dataclasses.replace(config.policy, **c.policy))) and j not in twins)
+    if not screening:
+        return sure
+    seen: set[str] = set()
+    out = []
+    for j in sure:
+        rest = repr(configs[j]) + repr(sorted((k, v) for k, v in overrides[j].items() if k not in RECOMPUTE_SETTINGS))
+        if rest not in seen:
+            seen.add(rest)
+            out.append(j)
+    return out
 
 
 def pinned_twin_jobs(configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]]) -> dict[int, int]:
@@ -199,7 +211,28 @@ def _narrowed(candidates: Sequence[Candidate], index: list[dict[str, int]], conf
     pending = [j for j in range(len(configs)) if j not in screened]
     return narrow(screened, pending, len(configs), counts.__contains__,
                   lambda jobs: submit([configs[j] for j in jobs], [overrides[j] for j in jobs]),
-                  objective, budget_gb, tolerance_pct, batch, references, pinned_twin_jobs(configs, overrides))
+                  objective, budget_gb, tolerance_pct, batch, references, pinned_twin_jobs(configs, overrides),
+                  same_runs(pending, configs, overrides, screen))
+
+
+def same_runs(jobs: Sequence[int], configs: Sequence[SimConfig], overrides: Sequence[dict[str, Any]],
+              screen: Any) -> dict[int, int]:
+    """job -> the first of ``jobs`` that runs the same simulation, for points differing only in recompute
+    policies that decide alike wherever the workload lets them decide (sim/tune/screen.py)."""
+    key_of = getattr(screen, "same_simulation_key", None)
+    if key_of is None:
+        return {}
+    first: dict[Any, int] = {}
+    out = {}
+    for j in jobs:
+        key = key_of(configs[j], overrides[j])
+        if key is None:
+            continue
+        if key in first:
+            out[j] = first[key]
+        else:
+            first[key] = j
+    return out
 
 
 def _done(metrics: dict[str, Any]) -> Future:

@@ -20,7 +20,7 @@ from sim.engine.config import SimConfig
 from sim.tune.evaluate import evaluate
 from sim.tune.grid import REFERENCES, build_grid
 from sim.tune.narrow import EXACT_KEYS
-from sim.tune.screen import TurnTable, premise_failures, screener
+from sim.tune.screen import TurnTable, offerable_candidates, premise_failures, screener
 from sim.tune.sensitivity import tune_across_behaviours
 from sim.workload.model import Conversation, Turn
 
@@ -66,8 +66,11 @@ def _config(decode_blocks: int, nodes: int = 1) -> SimConfig:
     return cfg.validate()
 
 
-def _tune(cfg, convs, objective, screen, budget_pct=30.0):
-    candidates = [*build_grid(TTLS, THRESHOLDS, (), ()), *REFERENCES]
+def _tune(cfg, convs, objective, screen, budget_pct=30.0, unscreenable=False):
+    # unscreenable: also a gap quantile and the learnt hold, which the screen cannot stand for; their thresholds
+    # that decide alike on every pull the workload offers share one simulation (Screener.same_simulation_key)
+    extra = ((0.5,), 30.0) if unscreenable else ((), None)
+    candidates = [*build_grid(TTLS, THRESHOLDS, (), extra[0], learnt_retention_budget_pct=extra[1]), *REFERENCES]
 
     def run(configs, overrides):
         return [evaluate(c, o, convs) for c, o in zip(configs, overrides)]
@@ -80,15 +83,15 @@ def _tune(cfg, convs, objective, screen, budget_pct=30.0):
 @settings(max_examples=80)
 @given(convs=workloads(), objective=st.sampled_from(("ttft_p90", "ttft_p50", "compute")),
        tight=st.sampled_from((False, False, True)), budget_pct=st.sampled_from((0.001, 0.01, 0.1, 30.0)),
-       nodes=st.sampled_from((1, 1, 2)))
-def test_screening_keeps_the_frontier_and_its_exact_figures(convs, objective, tight, budget_pct, nodes):
+       nodes=st.sampled_from((1, 1, 2)), unscreenable=st.booleans())
+def test_screening_keeps_the_frontier_and_its_exact_figures(convs, objective, tight, budget_pct, nodes, unscreenable):
     # tight: D holds little more than the largest conversation, so retention competes with running turns
     largest = max(-(-(t.prompt_tokens + t.output_tokens) // BS) for c in convs for t in c.turns)
     cfg = _config(largest + 2 if tight else 100_000, nodes)
     screen, reasons = screener(cfg, convs, PROFILE, cfg.topology.decode_kv_blocks)
     assert reasons == []
-    candidates, full = _tune(cfg, convs, objective, None, budget_pct)
-    _, screened = _tune(cfg, convs, objective, screen, budget_pct)
+    candidates, full = _tune(cfg, convs, objective, None, budget_pct, unscreenable)
+    _, screened = _tune(cfg, convs, objective, screen, budget_pct, unscreenable)
     narrowing = screened.narrowing
     full_by = {p.candidate.label: p for p in full.main.points}
     by = {p.candidate.label: p for p in screened.main.points}
@@ -218,3 +221,29 @@ def test_cli_screen_flag_reports_what_it_screened_and_recommends_as_without(caps
     assert full["screening"]["requested"] is False
     # the bound: no configuration saves more compute than it
     assert all(row["compute_saving_pct_of_bound"] <= 100.0 + 1e-9 for row in full["points"])
+
+
+def test_offerable_candidates_include_holds_older_than_the_previous_turn():
+    """The router offers the last retained turn's blocks: when turn 1 was not retained, turn 2 meets turn 0's."""
+    turns = (Turn(100, 11), Turn(300, 21, gap_before_s=1.0), Turn(700, 5, gap_before_s=1.0))
+    offered = {(c.prompt_tokens, c.remote_num_tokens) for c in offerable_candidates([Conversation("c", 0.0, turns)], BS)}
+    assert offered == {(300, 110), (700, 110), (700, 320)}
+
+
+def test_thresholds_deciding_alike_everywhere_share_a_simulation_and_others_do_not():
+    """Learnt holds at thresholds 0 and 64 on a workload whose every offer is 64 tokens or more: one key, and the
+    two full simulations agree figure for figure; a threshold above some offer gets its own key."""
+    cfg = SimConfig().validate()
+    cfg.workload = {"kind": "synthetic", "num_conversations": 30, "arrival_rate_per_s": 0.05}
+    from sim.workload import load_workload
+
+    convs = load_workload(cfg.workload, cfg.seed)
+    screen, reasons = screener(cfg, convs, PROFILE, PROFILE.decode_blocks())
+    assert reasons == []
+    offers = [c.reusable_tokens for c in offerable_candidates(convs, BS) if c.reusable_tokens > 0]
+    assert min(offers) >= 64
+    learnt = {"retention": "learnt", "learnt_retention_budget_pct": 30.0, "recompute_policy": "fixed"}
+    points = [{**learnt, "kv_recompute_threshold": t} for t in (0, 64, max(offers))]
+    keys = [screen.same_simulation_key(cfg, p) for p in points]
+    assert keys[0] == keys[1] != keys[2]
+    assert evaluate(cfg, points[0], convs) == evaluate(cfg, points[1], convs)
