@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.client import chat
 from tests.e2e.conftest import E2E, counters_at, unique_system
-from tests.e2e.deployment import DeploymentSpec, Metrics, free_port, pull_counters, start_deployment
+from tests.e2e.deployment import DeploymentSpec, Metrics, free_listen_port, pull_counters, start_deployment
 from tests.e2e.test_bidirectional import reference_text, user
 
 TTL_S = 45.0  # longer than the pinned wait this measures, shorter than a CI step
@@ -34,7 +34,7 @@ PAUSE_S = 10.0  # longer than the window: the filling turns are idle when the ne
 
 
 def _spec(e2e: E2E, mode: str) -> DeploymentSpec:
-    extra = {"bidikv_retained_under_pressure": mode, "bidikv_heartbeat_port": free_port(),
+    extra = {"bidikv_retained_under_pressure": mode, "bidikv_heartbeat_port": free_listen_port(),
              "bidikv_heartbeat_host": "127.0.0.1"}
     if mode == "give_back":
         extra["bidikv_give_back_publish_window_s"] = WINDOW_S

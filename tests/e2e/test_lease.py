@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.client import chat
 from tests.e2e.conftest import E2E, counters_at, unique_system
-from tests.e2e.deployment import DeploymentSpec, delta, free_port, pull_counters, start_deployment
+from tests.e2e.deployment import DeploymentSpec, delta, free_listen_port, pull_counters, start_deployment
 from tests.e2e.test_bidirectional import LONG, SHORT, assert_no_pull, reference_text, user
 
 LEASE_S = 12.0
@@ -36,7 +36,7 @@ def leased(e2e: E2E):
         prefill_args=["--no-enable-prefix-caching"],  # as the shared deployment: D's blocks are the reuse
         decode_extra={"bidikv_retention": "lease", "bidikv_lease_s": LEASE_S,
                       "bidikv_heartbeat_interval_s": HEARTBEAT_EVERY_S, "bidikv_lease_max_hold_s": 120.0,
-                      "bidikv_heartbeat_port": free_port()})
+                      "bidikv_heartbeat_port": free_listen_port()})
     dep = start_deployment(e2e.model_dir, e2e.log_dir / "lease", spec)
     try:
         yield dep
