@@ -155,16 +155,10 @@ class Cluster:
             self._turn_index[key] = index
         turn = conv.turns[index]
         rec = TurnRecord(conv.conversation_id, index, conv.tenant, turn.prompt_tokens, turn.output_tokens, self.env._now)
-        records = self.records
-        row = records.reserve(rec)
-
-        def done() -> None:
-            # every end of a turn (completed, or rejected by D) runs this once, after the last write to
-            # its record: the table keeps its values instead of the object
-            records.pack(row)
-            on_done()
-
-        self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, done)
+        end = _TurnEnd()
+        records = end.records = self.records
+        end.row, end.on_done = records.reserve(rec), on_done
+        self.router.handle(rec, key, turn.history_revision, conv.shared_prefix_tokens, lineage, end.done)
         return rec
 
     def serve_turn(self, conv: Conversation, index: int, lineage: Lineage) -> Generator[simpy.Event, Any, TurnRecord]:
@@ -265,6 +259,22 @@ class Cluster:
                 rec.rejected = ("not released by max_sim_time_s" if math.isnan(self._stuck_at) else
                                 "not sent: the run was stuck on pinned decode blocks")
                 records.pack(records.reserve(rec))
+
+
+class _TurnEnd:
+    """A sent turn's end: its bound ``done`` is what the router calls back (a closure per turn cost more).
+    No ``__init__``: ``Cluster.send_turn`` fills it."""
+
+    __slots__ = ("records", "row", "on_done")
+    records: RecordTable
+    row: int
+    on_done: Callable[[], None]
+
+    def done(self) -> None:
+        # every end of a turn (completed, or rejected by D) runs this once, after the last write to its
+        # record: the table keeps its values instead of the object
+        self.records.pack(self.row)
+        self.on_done()
 
 
 @contextlib.contextmanager

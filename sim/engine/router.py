@@ -44,6 +44,32 @@ class SyntheticPrompt(NamedTuple):
 _new_prompt = tuple.__new__
 
 
+class _Prefilled:
+    """A turn P is prefilling, for what the router does when P is done: its bound ``done`` is P's
+    ``on_done`` (a closure per turn over nine of the router's locals cost more). No ``__init__``:
+    ``Router.handle`` fills it."""
+
+    __slots__ = ("router", "rec", "key", "revision", "p_name", "block_size", "lineage", "on_done")
+    router: "Router"
+    rec: "TurnRecord"
+    key: tuple[str, str]
+    revision: int
+    p_name: str
+    block_size: int
+    lineage: "Lineage | None"
+    on_done: Callable[[], None]
+
+    def done(self) -> None:
+        """P prefilled the turn: pick D, which takes it from there."""
+        router, rec, key = self.router, self.rec, self.key
+        n = rec.prompt_tokens
+        if router.prefix_caching:  # only placement under prefix caching reads it
+            router.affinity.served(key, self.p_name, n)
+        d_name = router._pick_d(n, self.block_size)
+        rec.decode_instance = d_name
+        router._decode_by_name[d_name].serve(rec, key, self.revision, self.p_name, self.lineage, self.on_done)
+
+
 class Router:
     def __init__(self, env: simpy.Environment, prefill: list["PrefillNode"], decode: list["DecodeNode"],
                  store: ConversationStore, p_placement: Any, d_placement: Any, rng: random.Random,
@@ -134,15 +160,10 @@ class Router:
         p_name = self._pick_p(key, n, remote[1] if remote else 0)
         p_node = self._prefill_by_name[p_name]
         rec.prefill_instance = p_name
-
-        def prefilled() -> None:
-            if self.prefix_caching:  # only placement under prefix caching reads it
-                self.affinity.served(key, p_name, n)
-            d_name = self._pick_d(n, p_node.profile.block_size)
-            rec.decode_instance = d_name
-            self._decode_by_name[d_name].serve(rec, key, revision, p_name, lineage, on_done)
-
-        p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage, prefilled)
+        then = _Prefilled()
+        then.router, then.rec, then.key, then.revision, then.p_name = self, rec, key, revision, p_name
+        then.block_size, then.lineage, then.on_done = p_node.profile.block_size, lineage, on_done
+        p_node.serve(rec, key, revision, shared_prefix_tokens, remote, lineage, then.done)
 
     # -- placement -------------------------------------------------------------------------------
     # The PlacementRequest is built only for a policy that reads it: the LeastLoaded index does not.
