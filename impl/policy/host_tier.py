@@ -20,10 +20,11 @@ Pure: standard library only, no clock, no I/O.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from impl.policy.recompute import DecisionReason, PullCandidate, RecomputeDecision
+from impl.policy.recompute import (DecisionReason, FixedThreshold, PullCandidate, RecomputeDecision, cheaper,
+                                   smallest_winning)
 
 EVICTION_POLICIES = ("lru", "arc")  # vLLM's pre-registered CPU cache policies (cpu/policies/factory.py)
 DEFAULT_MIN_CACHED_TOKEN_DELTA = 2048  # llm-d's default minCachedTokenDelta
@@ -92,20 +93,16 @@ class HostPullMinimum:
     beyond the local hit (0 pulls whatever there is)."""
 
     min_cached_token_delta: int = DEFAULT_MIN_CACHED_TOKEN_DELTA
+    # the rule itself is vLLM's fixed threshold (impl.policy.recompute), at this minimum
+    _threshold: FixedThreshold = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.min_cached_token_delta < 0:
             raise ValueError(f"min_cached_token_delta must be >= 0, got {self.min_cached_token_delta}")
+        object.__setattr__(self, "_threshold", FixedThreshold(self.min_cached_token_delta))
 
     def decide(self, candidate: PullCandidate) -> RecomputeDecision:
-        count = candidate.reusable_tokens
-        if count <= 0:
-            return _NOTHING_TO_PULL
-        if count >= self.min_cached_token_delta:
-            reason = (DecisionReason.THRESHOLD_DISABLED if self.min_cached_token_delta == 0
-                      else DecisionReason.AT_OR_ABOVE_THRESHOLD)
-            return RecomputeDecision(True, count, reason)
-        return RecomputeDecision(False, count, DecisionReason.BELOW_THRESHOLD)
+        return self._threshold.decide(candidate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +119,8 @@ class HostPullBreakEven:
             return _NOTHING_TO_PULL
         if count < self.min_cached_token_delta:
             return RecomputeDecision(False, count, DecisionReason.BELOW_THRESHOLD)
-        pull_s = self.cost_model.host_pull_time_s(count)
-        recompute_s = self.cost_model.recompute_time_s(count, candidate.aligned_local_hit)
-        pull = pull_s < recompute_s
-        reason = DecisionReason.PULL_CHEAPER if pull else DecisionReason.RECOMPUTE_CHEAPER
-        return RecomputeDecision(pull, count, reason, pull_s, recompute_s)
+        return cheaper(count, self.cost_model.host_pull_time_s(count),
+                       self.cost_model.recompute_time_s(count, candidate.aligned_local_hit))
 
     def break_even_tokens(self, limit: int = 1 << 20) -> int | None:
         """Smallest token count (no local hit) whose warm host pull beats recompute, or None below
@@ -135,16 +129,7 @@ class HostPullBreakEven:
         def wins(n: int) -> bool:
             return self.cost_model.host_pull_time_s(n) < self.cost_model.recompute_time_s(n, 0)
 
-        if not wins(limit):
-            return None
-        lo, hi = 1, limit
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if wins(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return smallest_winning(wins, limit)
 
 
 def choose_source(hbm: RecomputeDecision | None, host: RecomputeDecision | None) -> KVSource:

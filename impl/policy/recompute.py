@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from impl.policy.fastinit import frozen_init
 
@@ -164,11 +164,8 @@ class BreakEvenThreshold:
         if count <= 0:
             return _NOTHING_TO_PULL
         blocks = -(-count // candidate.block_size)
-        pull_s = self.cost_model.pull_time_s(count, blocks)
-        recompute_s = self.cost_model.recompute_time_s(count, candidate.aligned_local_hit)
-        pull = pull_s < recompute_s
-        reason = _PULL_CHEAPER if pull else _RECOMPUTE_CHEAPER
-        return RecomputeDecision(pull, count, reason, pull_s, recompute_s)
+        return cheaper(count, self.cost_model.pull_time_s(count, blocks),
+                       self.cost_model.recompute_time_s(count, candidate.aligned_local_hit))
 
     def break_even_tokens(self, block_size: int, cached_context_tokens: int = 0, limit: int = 1 << 20) -> int | None:
         """Smallest token count for which pulling wins, or None if it never does below ``limit``.
@@ -181,13 +178,26 @@ class BreakEvenThreshold:
             blocks = -(-n // block_size)
             return self.cost_model.pull_time_s(n, blocks) < self.cost_model.recompute_time_s(n, cached_context_tokens)
 
-        if not wins(limit):
-            return None
-        lo, hi = 1, limit
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if wins(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return smallest_winning(wins, limit)
+
+
+def cheaper(count: int, pull_s: float, recompute_s: float) -> RecomputeDecision:
+    """The break-even rule, whatever the tier: pull ``count`` tokens iff the predicted pull (``pull_s``) is
+    faster than recomputing them (``recompute_s``); the decision carries both predictions."""
+    pull = pull_s < recompute_s
+    return RecomputeDecision(pull, count, _PULL_CHEAPER if pull else _RECOMPUTE_CHEAPER, pull_s, recompute_s)
+
+
+def smallest_winning(wins: Callable[[int], bool], limit: int) -> int | None:
+    """Smallest n in 1..``limit`` with ``wins(n)``, or None if even ``limit`` does not win; ``wins`` is
+    monotone (false up to some n, true from there), so a binary search finds it."""
+    if not wins(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if wins(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
