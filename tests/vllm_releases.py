@@ -8,7 +8,9 @@ come from the venv. Only import-level and scheduler-level code can run from them
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 # both stream kv_transfer_params on the final SSE chunk (0.32 does not); NIXL handshake versions 15 and 16 (0.32: 14)
 OTHER_RELEASES = ("0.33.0", "0.34.0")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def overlay_dir(version: str) -> Path:
@@ -32,3 +35,17 @@ def require_overlay(version: str) -> Path:
                     f"with --no-deps), or by hand: {sys.executable} -m pip install --no-deps --target {overlay} "
                     f"vllm=={version}")
     return overlay
+
+
+def vllm_parse(values: list[str], version: str) -> list[dict]:
+    """Each ``--kv-transfer-config`` value as ``vllm serve`` of ``version`` parses it (tests/tune/vllm_parse.py
+    in a subprocess, the release's overlay first on its path): one result per value."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if version != "0.32.0":
+        env["PYTHONPATH"] = os.pathsep.join([str(require_overlay(version)), str(ROOT)])
+    run = subprocess.run([sys.executable, str(ROOT / "tests/tune/vllm_parse.py")], input=json.dumps(values), env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines[0] == {"vllm": version}
+    return lines[1:]

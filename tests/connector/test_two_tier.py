@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from impl.connector.two_tier import (HostTierConfig, TwoTierConfigError, check_kv_transfer_config,
                                      two_tier_kv_transfer_config)
-from tests.vllm_releases import OTHER_RELEASES, require_overlay
+from tests.vllm_releases import OTHER_RELEASES, vllm_parse
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 PREFILL = {"kv_connector": "NixlConnector", "kv_connector_module_path": "impl.connector", "kv_role": "kv_producer",
@@ -92,24 +87,12 @@ def test_a_bad_host_tier_setting_is_refused_before_rendering(kwargs, field):
         HostTierConfig(**kwargs)
 
 
-def _vllm_parse(values: list[str], version: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if version != "0.32.0":
-        env["PYTHONPATH"] = os.pathsep.join([str(require_overlay(version)), str(ROOT)])
-    run = subprocess.run([sys.executable, str(ROOT / "tests/tune/vllm_parse.py")], input=json.dumps(values), env=env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert lines[0] == {"vllm": version}
-    return lines[1:]
-
-
 @pytest.mark.parametrize("version", ("0.32.0",) + OTHER_RELEASES)
 def test_vllm_parses_both_servers_configs_and_resolves_the_children(version):
     p, d = _both(HostTierConfig(cpu_bytes_to_use=512 * GIB, p2p_host="10.0.1.12"))
     bad = copy.deepcopy(d)  # the engine's own check must be able to fail: a tier type vLLM does not know
     _offload_extra(bad)["secondary_tiers"][0]["type"] = "peer2peer"
-    results = _vllm_parse([json.dumps(p), json.dumps(d), json.dumps(bad)], version)
+    results = vllm_parse([json.dumps(p), json.dumps(d), json.dumps(bad)], version)
     for cfg, result in zip((p, d), results):
         assert result["ok"], result
         assert result["role"] == cfg["kv_role"] and result["extra"] == cfg["kv_connector_extra_config"]

@@ -11,7 +11,6 @@ references, never recommended.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shlex
 import signal
@@ -25,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from tests.vllm_releases import OTHER_RELEASES, require_overlay
+from tests.vllm_releases import OTHER_RELEASES, vllm_parse
 
 from impl.cli import main
 from impl.connector.config import ConnectorSettings
@@ -137,15 +136,7 @@ def test_deploy_check_accepts_every_recommendation(tmp_path, capsys):
 @pytest.mark.parametrize("version", ("0.32.0",) + OTHER_RELEASES)
 def test_vllm_parses_every_recommendation(version):
     values = [v for c in CANDIDATES for v in _pasted_configs(c)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if version != "0.32.0":
-        env["PYTHONPATH"] = os.pathsep.join([str(require_overlay(version)), str(ROOT)])
-    run = subprocess.run([sys.executable, str(ROOT / "tests/tune/vllm_parse.py")], input=json.dumps(values), env=env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert lines[0] == {"vllm": version}
-    results = lines[1:]
+    results = vllm_parse(values, version)
     assert len(results) == len(values)
     for value, result in zip(values, results):
         assert result["ok"], (value, result)
