@@ -72,10 +72,16 @@ def free_port() -> int:
 
 
 def free_listen_port() -> int:
-    """A free port below the kernel's ephemeral range, for a listener that binds it only later (a heartbeat
-    listener, bound by D's engine core a minute after start): the servers' own outgoing and ephemeral sockets
-    take ports from that range meanwhile, so a port picked there can be gone by then (seen:
-    ``[Errno 98] Address already in use`` on D's heartbeat port)."""
+    """A free port below the kernel's ephemeral range, for a listener that binds it only later: see
+    :func:`free_listen_ports`."""
+    return free_listen_ports(1)[0]
+
+
+def free_listen_ports(n: int) -> list[int]:
+    """``n`` distinct free ports below the kernel's ephemeral range, for listeners that bind them only later (D's
+    heartbeat listener and each server's NIXL side channel, bound by the engine core a minute after start): the
+    servers' own outgoing and ephemeral sockets take ports from that range meanwhile, so a port picked there can be
+    gone by then (seen: ``[Errno 98] Address already in use`` on D's heartbeat port)."""
     import random
 
     try:
@@ -83,15 +89,23 @@ def free_listen_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1025, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(200 * n):
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", rng.randrange(max(1025, low - 12000), low)))
             except OSError:
+                s.close()
                 continue
-            return port
-    return free_port()
+            socks.append(s)  # held open until all are picked, so they differ
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    return ports + free_ports(n - len(ports)) if len(ports) < n else ports
 
 
 def free_ports(n: int) -> list[int]:
@@ -348,7 +362,8 @@ class Deployment:
 def start_deployment(model_dir: Path, log_dir: Path, spec: DeploymentSpec | None = None,
                      health_timeout_s: float = 420.0) -> Deployment:
     spec = spec or DeploymentSpec()
-    p_port, d_port, ref_port, p_side, d_side = free_ports(5)
+    p_port, d_port, ref_port = free_ports(3)
+    p_side, d_side = free_listen_ports(2)  # bound by the engine cores only after the model loaded
     common = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": spec.threshold}
     p_extra = {**common, **spec.prefill_extra}
     d_extra = {**common, "decoder_kv_blocks_ttl": spec.decoder_ttl_s, **spec.decode_extra}
