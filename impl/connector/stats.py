@@ -33,9 +33,10 @@ from impl.policy.prefix_check import VerifyReason
 PATHS = ("d_to_p", "p_to_d")
 OUTCOMES = ("offered", "verified", "pulled") + tuple(
     f"refused_{r.value}" for r in VerifyReason if r is not VerifyReason.FULL) + ("refused_unverified",)
-GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds",
-                  "bidikv_superseded_released", "bidikv_superseded_seconds")
-KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + GIVE_BACK_KEYS
+GIVE_BACK_KEYS = ("bidikv_given_back", "bidikv_given_back_blocks", "bidikv_given_back_freed", "bidikv_give_back_seconds")
+SUPERSEDED_KEYS = ("bidikv_superseded_released", "bidikv_superseded_seconds")
+RELEASE_KEYS = GIVE_BACK_KEYS + SUPERSEDED_KEYS  # retained turns D let go before their expiry, either way
+KEYS = tuple(f"bidikv_{path}_{outcome}" for path in PATHS for outcome in OUTCOMES) + RELEASE_KEYS
 
 
 class BidikvKVConnectorStats(NixlKVConnectorStats):
@@ -122,7 +123,7 @@ class BidikvPromMetrics(NixlPromMetrics):
                 total = sum(transfer_stats_data.get(f"bidikv_{path}_{outcome}", ()))
                 if total:
                     self.bidikv_prefix_tokens[(engine_idx, path, outcome)].inc(total)
-        for key in GIVE_BACK_KEYS:
+        for key in RELEASE_KEYS:
             total = sum(transfer_stats_data.get(key, ()))
             if total:
                 self.bidikv_give_back[(engine_idx, key)].inc(total)
